@@ -1,0 +1,62 @@
+"""The attention backend interface and the flat-batch metadata every backend reads.
+
+A step's batch is flat: the new tokens of all requests are concatenated, with no padding.
+
+    input tokens   | r0: 5 prompt tokens | r1: 1 decode | r2: 3 tokens after a cached prefix |
+    query_start_loc  0                   5              6                                   9
+    seq_lens         5                   37             19   (cached + new tokens)
+
+Each new token's K/V is written to the paged cache at ``slot_mapping[t]``; attention for request
+``r`` then reads its first ``seq_lens[r]`` tokens through ``block_tables[r]``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Device tensors describing one flat batch, plus host copies for Python-side decisions."""
+
+    query_start_loc: torch.Tensor  # (num_reqs + 1,) int64, cumulative new-token counts
+    seq_lens: torch.Tensor  # (num_reqs,) int64, cached + new tokens per request
+    block_tables: torch.Tensor  # (num_reqs, max_blocks) int64, padded with 0
+    slot_mapping: torch.Tensor  # (num_tokens,) int64, cache slot of every new token
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(q == 1 for q in self.query_lens_host)
+
+
+class AttentionBackend(ABC):
+    """Computes causal attention of a flat batch over a paged KV cache.
+
+    ``kv_cache`` is ``(k_cache, v_cache)``, each ``(num_blocks, block_size, num_kv_heads,
+    head_dim)``. ``forward`` first stores the new ``k``/``v`` at ``meta.slot_mapping``, then
+    attends each request's queries to all of its cached keys (prefix included), causally.
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        ...

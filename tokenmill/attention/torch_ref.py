@@ -1,0 +1,109 @@
+"""PyTorch reference attention over the paged KV cache (CPU, and any device as a fallback).
+
+Decode tokens of all requests are attended in one batched call; requests with several new
+tokens (prompt chunks) are attended one by one, where the work is compute-bound anyway.
+Grouped-query attention is done by folding the query heads that share a KV head into the
+query-length axis, so K/V are never repeated per query head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.base import AttentionBackend, AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+             slot_mapping: torch.Tensor) -> None:
+    """Store new K/V at their slots: slot = block_id * block_size + offset."""
+    k_cache, v_cache = kv_cache
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+class TorchReferenceBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        if meta.is_pure_decode:
+            return _decode_attention(q, kv_cache, meta, scale)
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc.tolist() if meta.num_reqs > 1 else [0, q.shape[0]]
+        decode_rows = [r for r, n in enumerate(meta.query_lens_host) if n == 1]
+        if decode_rows:
+            _decode_subset(q, out, kv_cache, meta, scale, decode_rows, starts)
+        for r, qlen in enumerate(meta.query_lens_host):
+            if qlen > 1:
+                s = starts[r]
+                out[s:s + qlen] = _prefill_one(q[s:s + qlen], kv_cache, meta, r, scale)
+        return out
+
+
+def _gather_kv(kv_cache, block_table: torch.Tensor, seq_len: int):
+    """K/V of one request's first seq_len tokens, read through its block table."""
+    k_cache, v_cache = kv_cache
+    block_size = k_cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    ids = block_table[:num_blocks]
+    k = k_cache.index_select(0, ids).flatten(0, 1)[:seq_len]  # (seq_len, kv_heads, head_dim)
+    v = v_cache.index_select(0, ids).flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def _prefill_one(q: torch.Tensor, kv_cache, meta: AttentionMetadata, r: int,
+                 scale: float) -> torch.Tensor:
+    qlen, num_heads, head_dim = q.shape
+    seq_len = meta.seq_lens_host[r]
+    k, v = _gather_kv(kv_cache, meta.block_tables[r], seq_len)
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # Query i sits at absolute position ctx + i and may see keys 0..ctx+i.
+    ctx = seq_len - qlen
+    q_pos = torch.arange(ctx, seq_len, device=q.device)
+    k_pos = torch.arange(seq_len, device=q.device)
+    mask = k_pos[None, :] <= q_pos[:, None]  # (qlen, seq_len)
+    # Fold the group of query heads sharing a KV head into the row axis.
+    qg = q.view(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # (kvh, g, qlen, d)
+    qg = qg.reshape(num_kv_heads, group * qlen, head_dim)
+    mask = mask.repeat(group, 1)  # (g * qlen, seq_len)
+    o = F.scaled_dot_product_attention(qg, k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask, scale=scale)  # (kvh, g * qlen, d)
+    o = o.view(num_kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3)
+    return o.reshape(qlen, num_heads, head_dim)
+
+
+def _decode_attention(q: torch.Tensor, kv_cache, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    return _batched_decode(q, kv_cache, meta.block_tables, meta.seq_lens,
+                           max(meta.seq_lens_host), scale)
+
+
+def _decode_subset(q, out, kv_cache, meta: AttentionMetadata, scale: float,
+                   rows: list[int], starts: list[int]) -> None:
+    idx = torch.tensor(rows, device=q.device)
+    tok = torch.tensor([starts[r] for r in rows], device=q.device)
+    max_len = max(meta.seq_lens_host[r] for r in rows)
+    out[tok] = _batched_decode(q[tok], kv_cache, meta.block_tables[idx], meta.seq_lens[idx],
+                               max_len, scale)
+
+
+def _batched_decode(q: torch.Tensor, kv_cache, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """One query token per request; keys read from each request's blocks up to max_len."""
+    k_cache, v_cache = kv_cache
+    num_reqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = -(-max_len // block_size)
+    ids = block_tables[:, :num_blocks].reshape(-1)
+    kv_shape = (num_reqs, num_blocks * block_size, num_kv_heads, head_dim)
+    # (reqs, blocks * block_size, kvh, d) -> (reqs, kvh, L, d)
+    k = k_cache.index_select(0, ids).view(kv_shape)[:, :max_len].transpose(1, 2)
+    v = v_cache.index_select(0, ids).view(kv_shape)[:, :max_len].transpose(1, 2)
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # (reqs, L)
+    qg = q.view(num_reqs, num_kv_heads, group, head_dim)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(num_reqs, num_heads, head_dim)

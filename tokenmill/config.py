@@ -1,0 +1,91 @@
+"""Frozen configuration dataclasses.
+
+Every component takes only the config it needs. Environment variables are read at the CLI
+boundary and turned into these; nothing below the CLI reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``kind`` is one of ``default``, ``linear``, ``llama3``,
+    ``freq_factors`` (per-frequency divisors, as llama.cpp stores Llama 3.1 scaling in GGUF)."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, independent of the file it was read from."""
+
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    mlp_bias: bool = False
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @cached_property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @cached_property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def with_dtype(self, dtype: str) -> ModelConfig:
+        return replace(self, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens per layer."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # derived from kv_cache_memory when None
+    kv_cache_memory: int | None = None  # bytes; derived from free memory when both are None
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    policy: str = "fcfs"  # "fcfs" | "priority"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

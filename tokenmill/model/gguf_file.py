@@ -1,0 +1,155 @@
+"""Read a Llama-family model from a GGUF file: config from metadata, tensors dequantized.
+
+Tensor names are mapped to Hugging Face names so one weight loader serves both formats.
+llama.cpp's converter interleaves the rows of Q and K for the ``llama`` architecture (its RoPE
+rotates adjacent pairs); we undo that so the Hugging Face rotate-half RoPE applies.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenmill.config import ModelConfig, RopeScaling
+from tokenmill.errors import ModelLoadError
+
+# GGUF architecture -> our family name (Mistral files say "llama")
+_ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on truncated/corrupt files
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_model_config(reader, path: Path) -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in _ARCHES:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(sorted(_ARCHES))})")
+
+    def meta(key: str, default=None):
+        value = field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata key {arch}.{key} is missing")
+        return value
+
+    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ModelConfig(
+        architecture=_ARCHES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=int(meta("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(meta("context_length", 2048)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(x for x in [field(reader, "tokenizer.ggml.eos_token_id")] if x is not None),
+    )
+
+
+def _rope_scaling(reader, arch: str) -> RopeScaling:
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        # Llama 3.1 files carry the scaling as per-frequency divisors, not as parameters.
+        return RopeScaling(kind="freq_factors",
+                           freq_factors=tuple(float(x) for x in np.asarray(freqs.data).ravel()))
+    kind = field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = float(field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    if kind in ("none", None) or factor == 1.0:
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=factor)
+    raise ModelLoadError(f"GGUF RoPE scaling type {kind!r} is not supported")
+
+
+def gguf_weights(reader, cfg: ModelConfig, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, float32 tensor) for every weight tensor in the file."""
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue  # precomputed RoPE factors; we compute them from the config
+        name = _hf_name(tensor.name, path)
+        w = torch.from_numpy(_dequantize(tensor, path))
+        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            w = _undo_qk_permute(w, heads)
+        yield name, w
+
+
+def _hf_name(name: str, path: Path) -> str:
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    base, _, kind = name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a Llama-family model")
+
+
+def _dequantize(tensor, path: Path) -> np.ndarray:
+    import gguf
+    from gguf.quants import dequantize
+
+    qtype = tensor.tensor_type
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    try:
+        if qtype == gguf.GGMLQuantizationType.F32:
+            data = np.array(tensor.data, dtype=np.float32)  # a copy: the file is mapped read-only
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            data = np.asarray(tensor.data).astype(np.float32)
+        else:
+            data = dequantize(tensor.data, qtype)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r} has type {qtype.name}, which "
+                             "tokenmill cannot dequantize") from e
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({qtype.name}) is corrupt: {e}") from e
+    return np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+
+
+def _undo_qk_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # llama.cpp stored, per head, rows (0, d/2, 1, d/2+1, ...) pairwise; swap back to halves.
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,140 @@
+"""Building blocks of Llama-family decoders.
+
+Every parameter carries a ``weight_loader(param, loaded, shard_id)``, so loading a checkpoint is
+one loop over (name, tensor) pairs, fused projections included (see ``model/weights.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import RopeScaling
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
+                         f"{tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def empty_param(*shape: int) -> nn.Parameter:
+    # Uninitialised on purpose: every value is overwritten by the checkpoint.
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = default_weight_loader
+    return p
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = empty_param(out_features, in_features)
+        self.bias = empty_param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ShardedLinear(Linear):
+    """Several projections of the same input fused into one matmul (qkv, gate/up).
+
+    ``shards`` maps a shard id (e.g. "q", "k", "v" or 0, 1) to its output size; checkpoint
+    tensors for each shard are copied into their row range of the fused weight.
+    """
+
+    def __init__(self, in_features: int, shards: dict, bias: bool = False):
+        super().__init__(in_features, sum(shards.values()), bias)
+        self.offsets: dict = {}
+        start = 0
+        for shard_id, size in shards.items():
+            self.offsets[shard_id] = (start, size)
+            start += size
+        self.weight.weight_loader = self._load_shard
+        if self.bias is not None:
+            self.bias.weight_loader = self._load_shard
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        start, size = self.offsets[shard_id]
+        default_weight_loader(param.data.narrow(0, start, size), loaded)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = empty_param(size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalise ``x`` (or ``x + residual``, returning the sum as the new residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if scaling.kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
+    if scaling.kind != "default":
+        raise ValueError(f"unsupported RoPE scaling type {scaling.kind!r}")
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by ``factor``, short ones kept, a smooth ramp between."""
+    old_ctx = s.original_max_position_embeddings
+    low_freq_wavelen = old_ctx / s.low_freq_factor
+    high_freq_wavelen = old_ctx / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the Hugging Face layout) with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (max_positions, head_dim / 2)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the batch's positions; looked up once per step, used by every layer."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # (num_tokens, 1, head_dim / 2)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+    cos, sin = cos_sin
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)  # (num_tokens, heads, head_dim / 2) each
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

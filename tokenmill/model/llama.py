@@ -1,0 +1,114 @@
+"""One implementation for the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3.
+
+The differences are config flags: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), RoPE
+scaling (Llama 3), tied embeddings (SmolLM2, small Qwens). Input is a flat batch of tokens of
+many requests; K/V go to and come from the paged cache through the attention backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention import AttentionBackend, AttentionMetadata
+from tokenmill.config import ModelConfig
+from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, ShardedLinear, apply_rope
+from tokenmill.model.layers import empty_param, silu_and_mul
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        shards = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
+        self.qkv_proj = ShardedLinear(cfg.hidden_size, shards, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.backend = backend
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        n = h.shape[0]
+        q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # (num_tokens, heads, head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, kv_heads, head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, rope)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = ShardedLinear(cfg.hidden_size, {0: size, 1: size}, bias=cfg.mlp_bias)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, rope, h, residual, kv_cache: KVCache, meta: AttentionMetadata):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(rope, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
+        h = nn.functional.embedding(input_ids, self.embed_tokens.weight)
+        rope = self.rotary(positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h, residual = layer(rope, h, residual, kv_cache, meta)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(len(logits_indices), vocab)`` for the chosen rows of the flat batch only."""
+        h = self.model(input_ids, positions, kv_caches, meta)  # (num_tokens, hidden)
+        if logits_indices is not None:
+            h = h[logits_indices]
+        return self.lm_head(h).float()

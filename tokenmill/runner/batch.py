@@ -1,0 +1,72 @@
+"""Scheduler decisions -> the flat-batch tensors the model reads. The only place they're built."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tokenmill.attention import AttentionMetadata
+
+
+class SeqChunk(Protocol):
+    """What the runner needs of one scheduled request (the scheduler's ScheduledChunk fits)."""
+
+    token_ids: Sequence[int]  # new tokens to compute this step
+    start_pos: int  # tokens of this sequence already in the KV cache
+    block_table: Sequence[int]  # covers start_pos + len(token_ids) tokens
+    sample: bool  # logits wanted at the chunk's last token
+
+
+@dataclass
+class Chunk:
+    """A plain SeqChunk, for callers that are not the scheduler (tests, benchmarks)."""
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    sample: bool = True
+
+
+@dataclass
+class FlatBatch:
+    input_ids: torch.Tensor  # (num_tokens,)
+    positions: torch.Tensor  # (num_tokens,)
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are computed
+
+
+def build_flat_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str,
+                     all_logits: bool = False) -> FlatBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    seq_lens: list[int] = []
+    logits_rows: list[int] = []
+    for c in chunks:
+        n, start = len(c.token_ids), c.start_pos
+        input_ids.extend(c.token_ids)
+        positions.extend(range(start, start + n))
+        table = c.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size
+                     for p in range(start, start + n))
+        if all_logits:
+            logits_rows.extend(range(query_start[-1], query_start[-1] + n))
+        elif c.sample:
+            logits_rows.append(query_start[-1] + n - 1)
+        query_start.append(query_start[-1] + n)
+        seq_lens.append(start + n)
+    max_blocks = max(len(c.block_table) for c in chunks)
+    tables = [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in chunks]
+
+    def t(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    meta = AttentionMetadata(
+        query_start_loc=t(query_start), seq_lens=t(seq_lens), block_tables=t(tables),
+        slot_mapping=t(slots), query_lens_host=[len(c.token_ids) for c in chunks],
+        seq_lens_host=seq_lens, block_size=block_size)
+    return FlatBatch(t(input_ids), t(positions), meta, t(logits_rows))
