@@ -73,10 +73,12 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(dtype)
+        if x.dtype == torch.float32:
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
+        else:  # low precision: normalise in float32 like the reference implementations
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = self.weight * x32.to(x.dtype)
         return out if residual is None else (out, residual)
 
 
@@ -129,12 +131,9 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` (num_tokens, heads, head_dim); q and k heads may be stacked."""
     cos, sin = cos_sin
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)  # (num_tokens, heads, head_dim / 2) each
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)

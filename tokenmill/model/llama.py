@@ -34,13 +34,17 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n = h.shape[0]
-        q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # (num_tokens, heads, head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, kv_heads, head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, rope)
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(h)  # (num_tokens, (heads + 2 * kv_heads) * head_dim)
+        if self.q_norm is None:
+            # q and k heads rotated together: one RoPE pass instead of two
+            qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d), rope)
+            q, k = qk.split([heads, kv_heads], dim=1)
+        else:
+            q, k, _ = qkv.split(self.split, dim=-1)
+            q = apply_rope(self.q_norm(q.view(n, heads, d)), rope)
+            k = apply_rope(self.k_norm(k.view(n, kv_heads, d)), rope)
+        v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, -1))
 

@@ -1,0 +1,165 @@
+"""A request as the scheduler tracks it, and the output data the engine fills for callers.
+
+A ``Request`` is one schedulable sequence. A request with ``n > 1`` is expanded by
+``Request.sequences()`` into ``n`` sequences with ids ``"<request_id>#<i>"`` (``seq_index`` i,
+``parent_id`` the caller's id); with ``n == 1`` the request is its own single sequence and keeps
+its id. ``group_id`` names the caller's request either way, so outputs are grouped by it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field, replace
+
+from tokenmill.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # never run yet (or waiting for its prompt to be shared, n > 1)
+    RUNNING = "running"  # holds KV blocks, scheduled every step while the budget allows
+    PREEMPTED = "preempted"  # blocks taken back; recomputed from scratch when readmitted
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+class FinishReason(str, enum.Enum):
+    """The OpenAI ``finish_reason`` strings."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+    @property
+    def status(self) -> RequestStatus:
+        return _FINISH_STATUSES[self]
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+_FINISH_STATUSES = {reason: status for status, reason in _FINISH_REASONS.items()}
+
+
+def sequence_id(request_id: str, seq_index: int) -> str:
+    return f"{request_id}#{seq_index}"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence: its tokens and the scheduler's bookkeeping about it.
+
+    Its KV block table lives in the ``KVBlockManager`` (keyed by ``request_id``) so that one
+    owner counts block references. ``prompt_token_ids`` is shared by the sequences of a request
+    and must not be mutated.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower value = more important (the `priority` policy)
+    eos_token_ids: tuple[int, ...] | None = None  # None: the scheduler's model-wide EOS ids
+    parent_id: str | None = None  # the caller's request id when this is one of n > 1 sequences
+    seq_index: int = 0
+    # Owned by the scheduler from here on.
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or written this step)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+    arrival_seq: int = 0  # set by the scheduler: orders requests with equal arrival times
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_token_ids) == 0:
+            raise ValueError(f"prompt_token_ids of request {self.request_id!r} must not be empty")
+
+    @property
+    def group_id(self) -> str:
+        """The caller's request id, shared by all n sequences."""
+        return self.parent_id if self.parent_id is not None else self.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole history (the decode hot path)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[:end - p]]
+
+    def sequences(self) -> list[Request]:
+        """The schedulable sequences: ``[self]`` when n == 1, else n fresh ``"<id>#<i>"`` copies."""
+        n = self.sampling_params.n
+        if n == 1:
+            return [self]
+        return [replace(self, request_id=sequence_id(self.request_id, i), parent_id=self.request_id,
+                        seq_index=i, output_token_ids=[]) for i in range(n)]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n completions of a request. The engine fills ``text`` and ``logprobs``."""
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None  # per generated token: token id -> logprob
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What a caller receives for its request (one per step while streaming)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+
+    @classmethod
+    def from_sequences(cls, sequences: list[Request]) -> RequestOutput:
+        """Token-level snapshot of a request's sequences; text and logprobs are the engine's."""
+        first = sequences[0]
+        outputs = [CompletionOutput(s.seq_index, list(s.output_token_ids),
+                                    finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                   for s in sorted(sequences, key=lambda s: s.seq_index)]
+        return cls(first.group_id, first.prompt_token_ids, outputs,
+                   finished=all(s.is_finished for s in sequences))

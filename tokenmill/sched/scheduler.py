@@ -1,0 +1,419 @@
+"""The scheduler: which sequences run each step, how many tokens each, and who gets KV blocks.
+
+One step, as the engine drives it (never call ``schedule()`` twice without the update between)::
+
+    out = scheduler.schedule()                       # decide; KV blocks are allocated here
+    sampled = runner.execute(out)                    # {request_id: token id} for chunks with sample
+    updates = scheduler.update_from_output(out, sampled)   # append, stop, free finished blocks
+    # the engine detokenizes, matches stop strings -> scheduler.finish_request(...)
+
+Each step is one flat batch under ``max_num_batched_tokens``: running sequences that need one
+token (decodes) first, then running prefills that are still in progress, then new admissions
+from the waiting queue, all in policy order. Long prompts are chunked to fit the budget.
+``num_computed_tokens`` advances when a chunk is scheduled (the runner writes that KV during the
+step), so the next ``schedule()`` sees the new state.
+
+``n > 1``: the caller's request is split into sequences ``"<id>#0" .. "<id>#<n-1>"``.
+Sequence 0 (the leader) prefills the prompt alone. In the step its prefill passes the shared
+prefix, the last full prompt block before the final prompt token, the other sequences are forked
+from it: they reference the leader's full prompt blocks (ref counts, no copy) and start with
+those tokens computed. Each of them then recomputes only the prompt's tail (the last, partially
+filled block; a whole block when the prompt fills its blocks exactly, since every sequence must
+compute at least its last prompt token to sample from) into a block of its own, so no
+block-copy kernel is ever needed. Forked sequences join the running queue directly and never
+run in the step that writes the KV they share. A preempted sequence drops its references and
+recomputes from scratch; siblings keep the shared blocks alive.
+
+Preemption is by recomputation: the victim's blocks are freed, it keeps its generated tokens and
+goes back to the waiting queue, and is later prefilled again over prompt + generated tokens.
+Waiting sequences never hold blocks, so a sequence alone in an empty cache always fits (requests
+that could not are rejected by ``add_request``) and the most important running sequence always
+makes progress: no deadlock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+from tokenmill.cache import CacheIntegrityError, KVBlockManager, cdiv
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.request import FinishReason, Request, RequestStatus, sequence_id
+from tokenmill.sched.output import ScheduledChunk, SchedulerOutput, SchedulerStats, SeqUpdate
+from tokenmill.sched.policy import get_policy
+from tokenmill.sched.queue import RequestQueue
+
+Sampled = Mapping[str, int | Sequence[int]]
+
+
+class _StepBatch:
+    """The step being built. Chunks are keyed by request id so that a sequence preempted later
+    in the same step can be taken out again and its tokens returned to the budget."""
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.tokens_left = token_budget
+        self.chunks: dict[str, tuple[Request, int, int]] = {}  # id -> (request, start_pos, n)
+        self.preempted_ids: list[str] = []
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.chunks[request.request_id] = (request, request.num_computed_tokens, num_tokens)
+        request.num_computed_tokens += num_tokens
+        self.tokens_left -= num_tokens
+
+    def drop(self, request: Request) -> None:
+        entry = self.chunks.pop(request.request_id, None)
+        if entry is not None:
+            self.tokens_left += entry[2]
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV block manager (built from ``cache_config``
+    and ``num_blocks`` unless one is given). ``eos_token_ids`` are the model's; a request may
+    override them with its own ``eos_token_ids``."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
+                 num_blocks: int | None = None, block_manager: KVBlockManager | None = None,
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        _check_config(scheduler_config)
+        self.config = scheduler_config
+        self.block_manager = block_manager or _make_block_manager(cache_config, num_blocks)
+        self.block_size = self.block_manager.block_size
+        # Unset, the context ends where the cache does; the last sampled token needs no KV.
+        capacity = self.block_manager.pool.num_usable_blocks * self.block_size + 1
+        self.max_model_len = scheduler_config.max_model_len or capacity
+        self.eos_token_ids = frozenset(eos_token_ids)
+        key = get_policy(scheduler_config.policy)
+        self.waiting = RequestQueue(key)  # holds no blocks, ever
+        self.running = RequestQueue(key)
+        self._pending_forks: dict[str, list[Request]] = {}  # leader id -> siblings awaiting fork
+        self._live: dict[str, Request] = {}  # sequence id -> unfinished sequence
+        self._groups: dict[str, list[Request]] = {}  # caller's request id -> its sequences
+        self._finished_ids: list[str] = []
+        self._unapplied: SchedulerOutput | None = None  # scheduled, not yet updated
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+        self._num_steps = 0
+        self._overhead_s = 0.0
+        self._last_step = (0, 0)  # (batched tokens, scheduled sequences)
+
+    # ----- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> list[Request]:
+        """Queue a new request; returns its schedulable sequences (``[request]`` when n == 1)."""
+        sequences = request.sequences()
+        self._check_new(request, sequences)
+        arrival = next(self._arrivals)
+        for seq in sequences:
+            seq.arrival_seq = arrival
+            self._live[seq.request_id] = seq
+        self._groups[request.request_id] = sequences
+        leader, siblings = sequences[0], sequences[1:]
+        if siblings and self._shared_prefix_len(leader) > 0:
+            self._pending_forks[leader.request_id] = siblings
+            siblings = []
+        for seq in (leader, *siblings):
+            self.waiting.push(seq)
+        return sequences
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request (all its sequences) or one sequence, in any state, freeing its blocks.
+        Unknown or already finished ids are not an error; returns whether anything was aborted."""
+        sequences = self._groups.get(request_id)
+        if sequences is None:
+            sequences = [self._live[request_id]] if request_id in self._live else []
+        # Siblings first, so an aborted leader has no pending forks left to release.
+        live = [seq for seq in reversed(sequences) if not seq.is_finished]
+        for seq in live:
+            self._finish(seq, RequestStatus.FINISHED_ABORTED)
+        return bool(live)
+
+    def finish_request(self, request_id: str, reason: FinishReason,
+                       stop_reason: int | str | None = None) -> bool:
+        """Finish one sequence for a reason the scheduler cannot see (a matched stop string)."""
+        request = self._live.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, reason.status, stop_reason)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting, preempted, and n > 1 siblings waiting for their prompt to be shared."""
+        return len(self._live) - len(self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            num_preemptions=self.num_preemptions, kv_cache_usage=self.block_manager.usage,
+            num_free_blocks=self.block_manager.num_free_blocks, num_steps=self._num_steps,
+            last_num_batched_tokens=self._last_step[0], last_num_scheduled=self._last_step[1],
+            overhead_seconds_total=self._overhead_s)
+
+    # ----- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        if self._unapplied is not None:
+            # Sequences of that step wait for their samples; scheduling them again would
+            # compute nothing and leave them stuck.
+            raise RuntimeError("schedule() called before update_from_output() of the last step")
+        start = time.perf_counter()
+        batch = _StepBatch(self.config.max_num_batched_tokens)
+        self._schedule_running(batch)
+        # Blocks were just short for the running set: admitting more would only thrash.
+        if not batch.preempted_ids:
+            self._admit_waiting(batch)
+        output = self._build_output(batch)
+        self._fork_shared_prompts(batch)
+        self._num_steps += 1
+        self._last_step = (output.num_batched_tokens, len(output.scheduled))
+        self._overhead_s += time.perf_counter() - start
+        self._unapplied = output
+        return output
+
+    def update_from_output(self, output: SchedulerOutput, sampled: Sampled) -> list[SeqUpdate]:
+        """Append the sampled tokens of every chunk that asked for a sample, check the stop
+        conditions that need no text, and free finished sequences' blocks at once.
+
+        ``sampled`` maps a sequence id to one token id or a list of (Python int) token ids. Chunks of sequences
+        aborted or finished since ``schedule()`` are skipped. Use ``group_by_request`` on the
+        result to regroup the sequences of n > 1 requests. If the runner failed, abort the
+        step's sequences first, then call this with ``{}``."""
+        if output is not self._unapplied:
+            raise ValueError("update_from_output() takes the latest schedule() output, once")
+        self._unapplied = None
+        start = time.perf_counter()
+        updates = [self._append_tokens(chunk.request, _sampled_for(chunk, sampled))
+                   for chunk in output.scheduled
+                   if chunk.sample and chunk.request.status is RequestStatus.RUNNING]
+        self._overhead_s += time.perf_counter() - start
+        return updates
+
+    # ----- scheduling ----------------------------------------------------------------------
+
+    def _schedule_running(self, batch: _StepBatch) -> None:
+        # Decodes before prefills: a long prompt in progress must not stall token streams.
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            (decodes if _remaining(request) == 1 else prefills).append(request)
+        for request in (*decodes, *prefills):
+            if batch.tokens_left == 0:
+                return
+            if request.status is RequestStatus.RUNNING:  # not preempted earlier in this step
+                self._schedule_running_one(request, batch)
+
+    def _schedule_running_one(self, request: Request, batch: _StepBatch) -> None:
+        num_new = min(_remaining(request), batch.tokens_left)
+        while not self.block_manager.allocate_slots(request, num_new):
+            victim = self.running.last()  # the policy's least important, maybe `request` itself
+            self._preempt(victim, batch)
+            if victim is request:
+                return
+        batch.add(request, num_new)
+
+    def _admit_waiting(self, batch: _StepBatch) -> None:
+        while (self.waiting and batch.tokens_left > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting.first()
+            num_new = min(_remaining(request), batch.tokens_left)
+            # The watermark keeps room for running sequences to grow; with none running there
+            # is nobody to keep room for, and insisting could starve a very long request.
+            if not self.block_manager.can_allocate(request, num_new, watermark=bool(self.running)):
+                return  # head-of-line: a less important request must not overtake it
+            self.waiting.pop_first()
+            self.block_manager.allocate_slots(request, num_new)
+            request.status = RequestStatus.RUNNING
+            self.running.push(request)
+            batch.add(request, num_new)
+
+    def _preempt(self, request: Request, batch: _StepBatch) -> None:
+        self.running.remove(request)
+        batch.drop(request)
+        batch.preempted_ids.append(request.request_id)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(request)
+
+    def _build_output(self, batch: _StepBatch) -> SchedulerOutput:
+        chunks = [self._chunk(request, start, n) for request, start, n in batch.chunks.values()]
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(chunks, batch.token_budget - batch.tokens_left,
+                               batch.preempted_ids, finished)
+
+    def _chunk(self, request: Request, start: int, num_tokens: int) -> ScheduledChunk:
+        end = start + num_tokens
+        table = list(self.block_manager.block_table(request.request_id))
+        return ScheduledChunk(request.request_id, request.token_ids_slice(start, end), start,
+                              table, end == request.num_tokens, request)
+
+    # ----- n > 1: sharing the prompt ------------------------------------------------------
+
+    def _shared_prefix_len(self, request: Request) -> int:
+        """Whole blocks before the last prompt token, which every sequence computes itself."""
+        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def _fork_shared_prompts(self, batch: _StepBatch) -> None:
+        for request, start, num_tokens in batch.chunks.values():
+            siblings = self._pending_forks.get(request.request_id)
+            if siblings and start + num_tokens >= self._shared_prefix_len(request):
+                del self._pending_forks[request.request_id]
+                self._start_siblings(request, siblings)
+
+    def _start_siblings(self, leader: Request, siblings: list[Request]) -> None:
+        shared = self._shared_prefix_len(leader)
+        for seq in siblings:
+            if len(self.running) >= self.config.max_num_seqs:
+                self.waiting.push(seq)  # no room to run now: it will prefill on its own
+                continue
+            self.block_manager.fork(leader, seq, shared)
+            seq.num_computed_tokens = shared
+            seq.status = RequestStatus.RUNNING
+            self.running.push(seq)
+
+    # ----- tokens and stopping -------------------------------------------------------------
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> SeqUpdate:
+        new: list[int] = []
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            new.append(token_id)
+            status, stop_reason = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status, stop_reason)
+                break
+        return SeqUpdate(request, new, request.is_finished)
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None,
+                                                                    int | None]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+            eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
+            if not params.ignore_eos and token_id in eos:
+                return RequestStatus.FINISHED_STOPPED, None
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _finish(self, request: Request, status: RequestStatus,
+                stop_reason: int | str | None = None) -> None:
+        self._detach(request)
+        self.block_manager.free(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        self._finished_ids.append(request.request_id)
+        del self._live[request.request_id]
+        for seq in self._pending_forks.pop(request.request_id, []):
+            self.waiting.push(seq)  # the leader is gone: its siblings prefill on their own
+        group = self._groups.get(request.group_id, [])
+        if all(seq.is_finished for seq in group):
+            self._groups.pop(request.group_id, None)
+
+    def _detach(self, request: Request) -> None:
+        """Take an unfinished sequence out of whichever queue holds it."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not self.waiting.remove(request):
+            leader_id = sequence_id(request.group_id, 0)
+            self._pending_forks[leader_id].remove(request)
+
+    # ----- validation ----------------------------------------------------------------------
+
+    def _check_new(self, request: Request, sequences: list[Request]) -> None:
+        ids = {request.request_id, *(seq.request_id for seq in sequences)}
+        if any(i in self._live or i in self._groups for i in ids):
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_output_tokens or request.num_computed_tokens or request.is_finished:
+            raise ValueError(f"request {request.request_id!r} was already run; add a fresh one")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt of {request.request_id!r} has {request.num_prompt_tokens} "
+                             f"tokens; max_model_len {self.max_model_len} leaves no room to "
+                             "generate")
+        self._check_fits(request)
+
+    def _check_fits(self, request: Request) -> None:
+        """Reject a sequence that could not fit even alone in the empty cache."""
+        max_tokens = request.sampling_params.max_tokens
+        longest = self.max_model_len if max_tokens is None else min(
+            self.max_model_len, request.num_prompt_tokens + max_tokens)
+        # The last sampled token never has its KV computed.
+        needed = self.block_manager.blocks_for_tokens(longest - 1)
+        usable = self.block_manager.pool.num_usable_blocks
+        if needed > usable:
+            raise ValueError(
+                f"request {request.request_id!r} may grow to {longest} tokens, which needs "
+                f"{needed} KV blocks of {self.block_size}, but the cache has {usable}; lower "
+                "max_tokens or give the KV cache more memory")
+
+    def check_integrity(self) -> None:
+        """Cache invariants plus: only running sequences hold blocks, exactly the blocks their
+        computed tokens need; queues and counts agree. O(blocks + requests): tests only."""
+        self.block_manager.check_integrity()
+        running = list(self.running)
+        _require(len(running) <= self.config.max_num_seqs, "more running than max_num_seqs")
+        _require(set(self.block_manager.owners()) <= {r.request_id for r in running},
+                 "a sequence that is not running holds blocks")
+        for r in running:
+            _require(r.status is RequestStatus.RUNNING, f"{r.request_id} in running is {r.status}")
+            blocks = len(self.block_manager.block_table(r.request_id))
+            _require(blocks == cdiv(r.num_computed_tokens, self.block_size),
+                     f"{r.request_id} holds {blocks} blocks for {r.num_computed_tokens} tokens")
+        for r in itertools.chain(self.waiting, *self._pending_forks.values()):
+            _require(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                     and r.num_computed_tokens == 0, f"{r.request_id} waits in a bad state")
+        queued = len(running) + len(self.waiting) + sum(map(len, self._pending_forks.values()))
+        _require(queued == len(self._live), f"{queued} queued but {len(self._live)} live")
+
+
+def _remaining(request: Request) -> int:
+    return request.num_tokens - request.num_computed_tokens
+
+
+def _sampled_for(chunk: ScheduledChunk, sampled: Sampled) -> list[int]:
+    value = sampled.get(chunk.request_id)
+    if value is None:
+        raise ValueError(f"no sampled token for {chunk.request_id!r}, whose chunk asked for one")
+    # operator.index also accepts numpy / 0-d tensor ints and turns them into Python ints.
+    tokens = list(value) if isinstance(value, Sequence) else [operator.index(value)]
+    if not tokens:
+        raise ValueError(f"empty sampled token list for {chunk.request_id!r}")
+    return tokens
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise CacheIntegrityError(message)
+
+
+def _check_config(config: SchedulerConfig) -> None:
+    if config.max_num_batched_tokens < 1:
+        raise ValueError(
+            f"max_num_batched_tokens must be >= 1, got {config.max_num_batched_tokens}")
+    if config.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {config.max_num_seqs}")
+    if config.max_model_len is not None and config.max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {config.max_model_len}")
+
+
+def _make_block_manager(cache_config: CacheConfig, num_blocks: int | None) -> KVBlockManager:
+    num_blocks = num_blocks if num_blocks is not None else cache_config.num_blocks
+    if num_blocks is None:
+        raise ValueError("the number of KV blocks is unknown: pass num_blocks (the runner "
+                         "derives it from free memory) or set CacheConfig.num_blocks")
+    return KVBlockManager(num_blocks, cache_config.block_size, cache_config.watermark)

@@ -1,0 +1,116 @@
+"""Render a model's Jinja chat template the way ``transformers`` does.
+
+Templates ship with models and are untrusted code, so they run in jinja2's immutable sandbox.
+The environment matches transformers (trim_blocks, lstrip_blocks, loop controls, a
+``raise_exception`` global, a ``tojson`` that keeps non-ASCII, ``strftime_now``), so a prompt
+rendered here is byte-for-byte the prompt the model was fine-tuned on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tokenmill.errors import TokenmillError
+
+DEFAULT_TEMPLATE_NAME = "default"
+TOOL_TEMPLATE_NAME = "tool_use"
+
+
+class ChatTemplateError(TokenmillError):
+    """A chat template is missing, does not compile, or fails while rendering."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept ``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask marker).
+
+    We never compute assistant masks, so the block just renders its body; without this tag the
+    templates that use it would not even compile.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson HTML-escapes and forces ASCII, which changes the prompt text.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        message = f"chat template does not compile: {exc} (line {exc.lineno})"
+        raise ChatTemplateError(message) from exc
+
+
+def select_template(templates: Mapping[str, str], tools: Sequence[Any] | None,
+                    name: str | None = None) -> str:
+    """Pick a template by name, else ``tool_use`` when tools are given, else ``default``."""
+    if not templates:
+        raise ChatTemplateError("this model has no chat template; pass a prompt instead of "
+                                "messages, or a model whose tokenizer carries a chat template")
+    if name is not None:
+        if name not in templates:
+            raise ChatTemplateError(f"no chat template named {name!r}; have {sorted(templates)}")
+        return templates[name]
+    if tools is not None and TOOL_TEMPLATE_NAME in templates:
+        return templates[TOOL_TEMPLATE_NAME]
+    if DEFAULT_TEMPLATE_NAME in templates:
+        return templates[DEFAULT_TEMPLATE_NAME]
+    raise ChatTemplateError(f"the model has several chat templates and none is named "
+                            f"{DEFAULT_TEMPLATE_NAME!r}; choose one of {sorted(templates)}")
+
+
+def render_chat(source: str, messages: Sequence[Mapping[str, Any]], *,
+                add_generation_prompt: bool, tools: Sequence[Any] | None,
+                variables: Mapping[str, Any]) -> str:
+    """Render one conversation; every template failure becomes a ChatTemplateError."""
+    if not messages:
+        raise ChatTemplateError("cannot apply a chat template to an empty conversation")
+    # OpenAI clients send e.g. content=None; templates handle a missing key but print "None".
+    chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+    template = _compile(source)
+    # transformers always defines `documents` (None by default); `is not none` tests depend on it.
+    context = {"documents": None, **variables, "messages": chat,
+               "tools": list(tools) if tools is not None else None,
+               "add_generation_prompt": add_generation_prompt}
+    try:
+        return template.render(**context)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template failed: {exc}") from exc
+    except (TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:
+        raise ChatTemplateError(f"chat template failed on these messages: "
+                                f"{type(exc).__name__}: {exc}") from exc
