@@ -1,10 +1,27 @@
 """tokenmill: an LLM inference serving engine.
 
-Importing the package is cheap on purpose (no torch, no server): heavy parts load on first use.
+Importing the package is cheap on purpose (no torch, no server): ``LLM`` and the engine load
+on first use.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from tokenmill.config import DEFAULT_MODEL
+from tokenmill.params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.engine.llm import LLM
 
 __version__ = "0.1.0"
 
-__all__ = ["DEFAULT_MODEL", "__version__"]
+__all__ = ["DEFAULT_MODEL", "LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from tokenmill.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

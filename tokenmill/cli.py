@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: ``generate`` (and, as they land, ``serve``, ``chat``, ``bench``).
+"""The ``tokenmill`` command: ``generate`` and ``chat`` (``serve`` and ``bench`` as they land).
 
 The only place that reads the environment and turns user input into config objects.
 """
@@ -6,66 +6,121 @@ The only place that reads the environment and turns user input into config objec
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
 from tokenmill.config import DEFAULT_MODEL
 from tokenmill.errors import TokenmillError
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+
+def parse_kv_cache_memory(text: str) -> tuple[int | None, int | None]:
+    """``"4GiB"``, ``"512MB"``, ``"1000000"`` (bytes) or ``"2048blocks"`` -> (bytes, blocks)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m and unit in ("block", "blocks"):
+        return None, int(float(m.group(1)))
+    if m is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid KV cache size {text!r}: use bytes (e.g. 4GiB, 512MB, 1000000) or blocks "
+            "(e.g. 2048blocks)")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit]), None
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help=f"a .gguf file, a Hugging Face directory or a known name "
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--kv-cache-memory", type=parse_kv_cache_memory, default=(None, None),
+                   help="KV cache size in bytes (4GiB, 512MB) or blocks (2048blocks); "
+                        "default: derived from free memory")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    _add_model_args(gen)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts (batched)")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=64)
     gen.add_argument("--prompt", action="append", required=True, help="repeatable")
-    gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message with the model's chat template")
     gen.set_defaults(func=_cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, streamed")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=512)
+    chat.add_argument("--system", default=None, help="system message")
+    chat.set_defaults(func=_cmd_chat)
     return parser
 
 
-def _default_dtype(device: str, dtype: str | None) -> str:
-    if dtype:
-        return dtype
-    # bf16/fp16 matmuls are emulated (very slow) on most CPUs.
-    return "bfloat16" if device.startswith("cuda") else "float32"
+def _make_llm(args: argparse.Namespace):
+    from tokenmill.engine.llm import LLM
+
+    kv_bytes, kv_blocks = args.kv_cache_memory
+    t0 = time.perf_counter()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+              block_size=args.block_size, num_blocks=kv_blocks, kv_cache_memory=kv_bytes,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, policy=args.scheduling_policy)
+    engine = llm.engine
+    print(f"tokenmill: loaded {engine.loaded.source.path} in {time.perf_counter() - t0:.1f}s; "
+          f"KV cache {engine.kv_cache_tokens} tokens", file=sys.stderr)
+    return llm
+
+
+def _sampling_params(args: argparse.Namespace):
+    from tokenmill.params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.sampling_seed)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from tokenmill.model.loader import load_model
-    from tokenmill.runner.model_runner import ModelRunner
-    from tokenmill.tokenizer import load_tokenizer
-
-    t0 = time.perf_counter()
-    loaded = load_model(args.model, args.device, _default_dtype(args.device, args.dtype))
-    tok = load_tokenizer(args.model)
-    print(f"loaded {loaded.source.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    for prompt in args.prompt:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
-        ids = tok.encode(text, add_special_tokens=not args.chat)
-        blocks = -(-(len(ids) + args.max_tokens) // 16)
-        runner = ModelRunner(loaded, num_blocks=blocks, block_size=16, device=args.device)
-        out = runner.greedy_generate(ids, args.max_tokens, frozenset(tok.eos_token_ids))
-        print(tok.decode(out))
+    params = _sampling_params(args)
+    llm = _make_llm(args)
+    prompts = ([llm.chat_prompt_ids([{"role": "user", "content": p}]) for p in args.prompt]
+               if args.chat else args.prompt)
+    for out in llm.generate(prompts, params, use_tqdm=len(prompts) > 1):
+        print(out.outputs[0].text)
     return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from tokenmill.engine.chat_repl import ChatSession
+
+    params = _sampling_params(args)
+    return ChatSession(_make_llm(args), params, args.system).run()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except TokenmillError as e:
+    except (TokenmillError, ValueError) as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

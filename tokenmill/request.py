@@ -137,7 +137,8 @@ class CompletionOutput:
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None  # per generated token: token id -> logprob
+    # per generated token: the sampler's TokenLogprobs (sampled token's logprob, rank, top-N)
+    logprobs: list | None = None
     cumulative_logprob: float | None = None
 
     @property
@@ -153,6 +154,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt: str | None = None  # the prompt text, when the caller gave text
 
     @classmethod
     def from_sequences(cls, sequences: list[Request]) -> RequestOutput:

@@ -1,14 +1,16 @@
-"""ModelRunner: owns the model and its KV cache, turns scheduled chunks into one forward."""
+"""ModelRunner: owns the model, its KV cache and the sampler; turns one scheduler step into one
+forward pass and one sampled token per sampling sequence."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from tokenmill.model.loader import LoadedModel
 from tokenmill.runner.batch import Chunk, SeqChunk, build_flat_batch
 from tokenmill.runner.kv_cache import allocate_kv_cache
+from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
 
 
 class ModelRunner:
@@ -21,6 +23,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         dtype = getattr(torch, self.config.dtype)
         self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.device, dtype)
+        self.sampler = Sampler()
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk], all_logits: bool = False) -> torch.Tensor:
@@ -29,6 +32,22 @@ class ModelRunner:
         batch = build_flat_batch(chunks, self.block_size, self.device, all_logits)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
                           batch.logits_indices)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence, eos_token_ids: frozenset[int]) -> SamplerOutput:
+        """Forward the scheduled chunks and sample one token for each chunk with ``sample``.
+
+        ``chunks`` are the scheduler's ScheduledChunks (they carry ``request``); the result
+        lists tokens in the order of the sampling chunks."""
+        logits = self.forward(chunks)
+        rows = [SamplingRow(c.request_id, c.request.sampling_params, c.request.prompt_token_ids,
+                            c.request.output_token_ids, eos_token_ids, c.request.seq_index)
+                for c in chunks if c.sample]
+        return self.sampler(logits, rows)
+
+    def forget(self, seq_ids: Iterable[str]) -> None:
+        """Drop per-sequence state (seeded generators) of finished sequences."""
+        self.sampler.forget(seq_ids)
 
     def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                         stop_ids: frozenset[int] = frozenset()) -> list[int]:

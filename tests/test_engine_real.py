@@ -1,0 +1,152 @@
+"""The engine with the real default model: batching, preemption, sampling options, offline API."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def add(a, b):",
+    "List three colors:",
+    "Water boils at",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "import numpy as np\n",
+    "Photosynthesis is the process",
+    "My favourite food is",
+    "The largest planet in the solar system",
+    "SELECT * FROM users WHERE",
+    "Once upon a time",
+    "To be or not to be,",
+    "The speed of light is",
+    "Bonjour, je m'appelle",
+    "1 + 1 =",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("smollm2-135m-instruct", num_blocks=512, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Greedy output of each prompt run by itself."""
+    return [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
+
+
+def assert_all_blocks_free(engine):
+    bm = engine.scheduler.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.pool.num_usable_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def test_batched_equals_alone(llm, alone):
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [a.token_ids for a in alone]
+    assert [o.outputs[0].text for o in outs] == [a.text for a in alone]
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert_all_blocks_free(llm.engine)
+
+
+def test_preemption_keeps_outputs_exact(alone):
+    # 16 requests need ~16 * 2 blocks of 16 tokens each at the end; give them 12 (+1 padding).
+    small = LLM("smollm2-135m-instruct", num_blocks=13, block_size=16, max_num_seqs=16)
+    outs = small.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert small.engine.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [a.token_ids for a in alone]
+    assert_all_blocks_free(small.engine)
+
+
+def test_text_equals_decode_of_tokens(llm):
+    out = llm.generate("Write a haiku about the sea.", GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_stop_string_across_tokens(llm, alone):
+    full = alone[0].text  # greedy continuation of "The capital of France is"
+    stop = full[5:12]  # a stop string that need not align with token boundaries
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop=[stop])
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:full.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop=[stop],
+                            include_stop_str_in_output=True)
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:full.index(stop) + len(stop)]
+
+
+def test_eos_and_stop_token_ids(llm):
+    chat = llm.chat([{"role": "user", "content": "Say hi."}],
+                    SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] in llm.engine.eos_token_ids
+    first = alone_token = llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_tok = first[4]
+    out = llm.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=20,
+                                                  stop_token_ids=[stop_tok]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == alone_token[:alone_token.index(stop_tok) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+def test_seed_reproducible_however_batched(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234)
+    alone = llm.generate(PROMPTS[11], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.8, max_tokens=12)
+    batch = llm.generate([PROMPTS[2], PROMPTS[11], PROMPTS[5]], [others, params, others],
+                         use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_n_samples_share_prompt_and_differ(llm):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7)
+    out = llm.generate(PROMPTS[11], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    texts = [c.text for c in out.outputs]
+    assert len(set(texts)) > 1
+    again = llm.generate(PROMPTS[11], params, use_tqdm=False)[0]
+    assert [c.text for c in again.outputs] == texts
+    assert_all_blocks_free(llm.engine)
+
+
+def test_logprobs(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5)
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 6
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == token and lp.rank == 1  # greedy picks the most likely
+        assert len(lp.top) == 5 and lp.top[0][0] == token
+        assert lp.top[0][1] == pytest.approx(lp.logprob)
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+
+
+def test_max_and_min_tokens(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30)
+    out = llm.chat([{"role": "user", "content": "Say hi."}], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 30
+    assert not set(out.token_ids[:30]) & llm.engine.eos_token_ids
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50))
+    engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    assert engine.abort_request("a") and engine.abort_request("b")
+    engine.step()
+    assert_all_blocks_free(engine)
+
+
+def test_bad_prompts_rejected_cleanly(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 10**9]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError):
+        llm.generate([[100] * 9000], GREEDY, use_tqdm=False)  # longer than the context
+    assert_all_blocks_free(llm.engine)

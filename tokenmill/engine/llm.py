@@ -1,0 +1,103 @@
+"""The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM(model).chat(messages)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenmill.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.params import SamplingParams
+from tokenmill.request import RequestOutput
+
+Prompt = str | Sequence[int]
+Message = Mapping[str, Any]
+
+
+class LLM:
+    """Batch generation on one engine; all prompts of a call run together, continuously batched.
+
+    Keyword arguments map onto the configs: ``device``, ``dtype``, ``seed``, ``block_size``,
+    ``num_blocks``, ``kv_cache_memory`` (bytes), ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``max_model_len``, ``policy``.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu",
+                 dtype: str | None = None, seed: int = 0, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, policy: str = "fcfs"):
+        from tokenmill.engine.llm_engine import LLMEngine
+
+        config = EngineConfig(
+            model=model, device=device, dtype=dtype, seed=seed,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                              kv_cache_memory=kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                      policy=policy))
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in the order of the prompts."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            finished = self._run(len(prompts), use_tqdm)
+        except BaseException:
+            for rid in ids:  # leave the engine clean for the next call
+                self.engine.abort_request(rid)
+            raise
+        return [finished[rid] for rid in ids]
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """Chat completions: each conversation rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [self.chat_prompt_ids(c, add_generation_prompt, **(chat_template_kwargs or {}))
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt_ids(self, conversation: Sequence[Message], add_generation_prompt: bool = True,
+                        **kwargs: Any) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, **kwargs)
+        # The template already holds any BOS it wants; don't add a second one.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        from tqdm.auto import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return finished
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return list(params)

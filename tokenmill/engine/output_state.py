@@ -1,0 +1,90 @@
+"""Per-request output state: incremental text, stop strings, logprobs.
+
+Text a caller sees only grows. While a sequence runs, any tail that could still become a stop
+string is held back, so a streamed delta never has to be taken back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.params import SamplingParams
+from tokenmill.request import CompletionOutput, Request, RequestOutput
+from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class SeqText:
+    detok: IncrementalDetokenizer
+    text: str = ""  # everything decoded so far (final: cut at the stop string)
+    stopped_at: str | None = None  # the stop string that ended the sequence
+    logprobs: list = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, sequences: list[Request], tokenizer: Tokenizer):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.sequences = sequences
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.seqs = {s.request_id: SeqText(IncrementalDetokenizer(
+            tokenizer, params.skip_special_tokens, context_ids=prompt_token_ids[-4:]))
+            for s in sequences}
+
+    def on_tokens(self, seq: Request, token_ids: list[int], logprobs) -> str | None:
+        """Take a step's new tokens of one sequence; returns a stop string it just matched."""
+        st = self.seqs[seq.request_id]
+        before = len(st.text)
+        for token_id in token_ids:
+            st.text += st.detok.add(token_id)
+        if logprobs is not None and self.params.logprobs is not None:
+            st.logprobs.append(logprobs)
+            st.cumulative_logprob += logprobs.logprob
+        if seq.is_finished:
+            st.text += st.detok.finish()
+        return self._match_stop(st, before)
+
+    def _match_stop(self, st: SeqText, before: int) -> str | None:
+        if not self.params.stop or st.stopped_at is not None:
+            return None
+        # A stop string may straddle the old and new text: search from just before the new part.
+        start = max(0, before - self.max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            i = st.text.find(stop, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return None
+        i, stop = best
+        st.text = st.text[:i + len(stop)] if self.params.include_stop_str_in_output else st.text[:i]
+        st.stopped_at = stop
+        return stop
+
+    def _visible(self, seq: Request, st: SeqText) -> str:
+        if seq.is_finished or st.stopped_at is not None or not self.params.stop:
+            return st.text
+        hold = 0
+        for stop in self.params.stop:
+            for k in range(min(len(stop) - 1, len(st.text)), hold, -1):
+                if st.text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return st.text[:len(st.text) - hold]
+
+    def output(self) -> RequestOutput:
+        outs = []
+        for seq in sorted(self.sequences, key=lambda s: s.seq_index):
+            st = self.seqs[seq.request_id]
+            logprobs = list(st.logprobs) if self.params.logprobs is not None else None
+            outs.append(CompletionOutput(
+                seq.seq_index, list(seq.output_token_ids), self._visible(seq, st),
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=logprobs,
+                cumulative_logprob=st.cumulative_logprob if logprobs is not None else None))
+        finished = all(s.is_finished for s in self.sequences)
+        return RequestOutput(self.request_id, self.prompt_token_ids, outs, finished=finished,
+                             prompt=self.prompt)
