@@ -22,12 +22,23 @@ BLOCK = 4
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
-def pair(request, tmp_path_factory):
-    """(transformers model, tokenmill runner) sharing the same random weights."""
+def pair(request, tmp_path_factory, device):
+    """(transformers model on the CPU, tokenmill runner on ``--device``), same random weights."""
     hf = make_hf_model(request.param)
     path = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-    runner = ModelRunner(load_model(str(path)), num_blocks=64, block_size=BLOCK)
-    return hf, runner
+    runner = ModelRunner(load_model(str(path), device), num_blocks=64, block_size=BLOCK,
+                         device=device)
+    return hf, _OnCpu(runner)
+
+
+class _OnCpu:
+    """The runner with its logits brought back to the CPU for comparison."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def forward(self, chunks, all_logits: bool = False) -> torch.Tensor:
+        return self.runner.forward(chunks, all_logits).cpu()
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:

@@ -6,6 +6,7 @@ Random logits stand in for a model; each test runs in milliseconds.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.params import SamplingParams
+from tokenmill.runner import sampler as sampler_module
 from tokenmill.runner.sampler import (
     Sampler, SamplingRow, apply_penalties, apply_top_k_top_p, process_logits, token_counts)
 
@@ -42,13 +44,15 @@ def draw(params: SamplingParams, logits_row: torch.Tensor, n: int, seed: int = 0
 
 
 def run_steps(sampler: Sampler, logits: torch.Tensor, target: SamplingRow, steps: int,
-              others: list[SamplingRow] = (), position: int = 0, device: str = "cpu") -> list[int]:
-    """Sample `steps` tokens for `target` from logits[0], batched with `others` at `position`."""
+              others: Sequence[SamplingRow] = (), position: int = 0,
+              device: str = "cpu") -> list[int]:
+    """Sample `steps` tokens for `target` from logits[0], batched with `others` at `position`
+    (the other rows get fresh random logits every step)."""
     tokens = []
+    at = position % (len(others) + 1)
     for step in range(steps):
         batch = list(others)
-        batch.insert(position % (len(batch) + 1), target)
-        at = batch.index(target)
+        batch.insert(at, target)
         noise = rand_logits(len(batch), seed=100 + step, device=device)
         noise[at] = logits[0].to(device)
         tokens.append(sampler(noise, batch).token_ids[at])
@@ -125,7 +129,7 @@ def test_warpers_stay_in_allowed_set(params: SamplingParams) -> None:
     assert len(seen) >= len(expected) // 2  # and sampling actually spreads over it
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)  # CI sees the same cases
 @given(top_k=st.integers(-1, VOCAB + 5), top_p=st.floats(0.05, 1.0), min_p=st.floats(0.0, 1.0),
        temperature=st.floats(0.2, 2.0), seed=st.integers(0, 1000))
 def test_warpers_property(top_k: int, top_p: float, min_p: float, temperature: float,
@@ -143,6 +147,41 @@ def test_top_k_top_p_helper_rows_are_independent() -> None:
     assert torch.equal(masked[1], logits[1])  # both off: untouched (even in the sorted path)
     kept = set(torch.isfinite(masked[2]).nonzero().flatten().tolist())
     assert kept == nucleus(logits[2].softmax(0), 0.3)
+
+
+@pytest.mark.parametrize("scale, ks, partial", [
+    (4.0, [-1, 20, 500], True),  # peaked: the CPU partial top-k holds every cutoff
+    (0.5, [-1, 20, 500], False),  # flat: row 0's nucleus is too wide, full sort
+    (4.0, [-1, 20, 3000], False),  # a top-k past the partial prefix: full sort
+])
+def test_top_p_large_vocab_matches_reference(scale: float, ks: list[int], partial: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    held: list[bool] = []
+    check = sampler_module._holds_cutoffs
+
+    def spy(*args: object) -> bool:  # records which path each call took
+        held.append(check(*args))
+        return held[-1]
+
+    monkeypatch.setattr(sampler_module, "_holds_cutoffs", spy)
+    logits = rand_logits(3, vocab=8192, scale=scale)
+    ps = [0.9, 0.8, 0.95]
+    masked = apply_top_k_top_p(logits.clone(), ks, ps)
+    assert held == [partial]
+    for i, (k, p) in enumerate(zip(ks, ps)):
+        expected = allowed(logits[i], SamplingParams(top_k=k, top_p=p))
+        assert set(torch.isfinite(masked[i]).nonzero().flatten().tolist()) == expected
+
+
+def test_top_k_top_p_cut_at_values_so_ties_do_not_depend_on_the_batch() -> None:
+    # bf16-rounded logits are full of ties, as a bf16 model's are.
+    logits = rand_logits(2, vocab=4096, scale=2.0).to(torch.bfloat16).float()
+    alone = apply_top_k_top_p(logits[:1].clone(), [200], [0.7])  # partial top-k path
+    batched = apply_top_k_top_p(logits.clone(), [200, -1], [0.7, 0.5])  # other paths
+    assert torch.equal(alone[0], batched[0])
+    kept = torch.isfinite(batched)
+    for i in range(2):  # every token tied with the smallest kept logit is kept too
+        assert torch.equal(kept[i], logits[i] >= logits[i][kept[i]].min())
 
 
 def test_plain_sampling_matches_softmax() -> None:

@@ -21,6 +21,7 @@ on which other rows share the batch, or where. Unseeded rows share one generator
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ import torch
 from tokenmill.params import SamplingParams
 
 _U64 = (1 << 64) - 1  # torch.Generator.manual_seed takes seeds modulo 2**64
+# Candidates a CPU top-p looks at before falling back to sorting the whole vocab.
+_NUCLEUS_CANDIDATES = 1024
 # Exponential(1) draws this close to 0 would turn probs / q into inf or nan.
 _MIN_NOISE = 1e-20
 
@@ -51,7 +54,7 @@ class TokenLogprobs:
     token_id: int  # the sampled token
     logprob: float  # its log-probability under the raw model logits
     rank: int  # 1 = most likely; ties count against it, as in vLLM
-    top: list[tuple[int, float]]  # top-N (token_id, logprob), most likely first; N = params.logprobs
+    top: list[tuple[int, float]]  # top-N (token_id, logprob), most likely first; N = logprobs
 
 
 @dataclass
@@ -156,18 +159,17 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     Returns ``logits`` itself (not a copy) when no row asks for any of them.
     """
     vocab = logits.shape[-1]
-    bias = _bias_entries(rows, vocab)
-    banned = _min_tokens_entries(rows, vocab)
+    bias_rows, bias_ids, bias_values = _bias_entries(rows, vocab)
+    ban_rows, ban_ids = _min_tokens_entries(rows, vocab)
     penalised = [i for i, r in enumerate(rows) if _has_penalties(r.params)]
-    if not (bias[0] or banned[0] or penalised):
+    if not (bias_rows or ban_rows or penalised):
         return logits
     x = logits.clone()
-    if bias[0]:
-        r, t, v = bias
-        x.index_put_((_long(r, x), _long(t, x)), torch.tensor(v, dtype=x.dtype, device=x.device),
-                     accumulate=True)
-    if banned[0]:
-        x[_long(banned[0], x), _long(banned[1], x)] = -math.inf
+    if bias_rows:
+        values = torch.tensor(bias_values, dtype=x.dtype, device=x.device)
+        x.index_put_((_long(bias_rows, x), _long(bias_ids, x)), values, accumulate=True)
+    if ban_rows:
+        x[_long(ban_rows, x), _long(ban_ids, x)] = -math.inf
     if penalised:
         _penalise_rows(x, [rows[i] for i in penalised], penalised)
     return x
@@ -240,20 +242,37 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: Sequence[Sequence[int]],
         rep = _column(repetition, logits)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     if any(p != 0.0 for p in presence) or any(f != 0.0 for f in frequency):
-        x = x - _column(frequency, logits) * out_counts - _column(presence, logits) * (out_counts > 0)
+        present = (out_counts > 0).to(logits.dtype)
+        x = x - _column(frequency, logits) * out_counts - _column(presence, logits) * present
     return x.clone() if x is logits else x
 
 
 def token_counts(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.device,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(rows, vocab) occurrence counts, by one scatter_add over a padded id tensor."""
-    width = max((len(ids) for ids in token_ids), default=0)
-    # Padding points at an extra column `vocab` that is cut off afterwards.
-    padded = torch.tensor([[*ids, *[vocab] * (width - len(ids))] for ids in token_ids],
-                          dtype=torch.long, device=device).view(len(token_ids), width)
+    # Padding points at an extra column `vocab`, cut off at the end.
     counts = torch.zeros(len(token_ids), vocab + 1, dtype=dtype, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=dtype))
+    padded = _padded_ids(token_ids, vocab)
+    if padded is not None:
+        padded = padded.to(device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=dtype))
     return counts[:, :vocab]
+
+
+def _padded_ids(token_ids: Sequence[Sequence[int]], pad: int) -> torch.Tensor | None:
+    """(rows, longest) int64 CPU tensor, short rows filled with ``pad``; None if all are empty.
+
+    Built through one array.array: several times faster than torch.tensor on nested lists,
+    which matters with long prompts in a large batch.
+    """
+    width = max((len(ids) for ids in token_ids), default=0)
+    if width == 0:
+        return None
+    buf = array.array("q")
+    for ids in token_ids:
+        buf.extend(ids)
+        buf.extend([pad] * (width - len(ids)))
+    return torch.frombuffer(buf, dtype=torch.long).view(len(token_ids), width)
 
 
 # --- sampling warpers (sampled rows only; each masks in place and returns its input) --------
@@ -267,45 +286,54 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int],
                       top_p: Sequence[float]) -> torch.Tensor:
     """Mask to -inf, in place, tokens outside each row's top-k, then outside its nucleus.
 
-    Top-k keeps every token tied with the k-th largest logit. Top-p keeps the most likely tokens
-    until their (top-k renormalised) mass reaches p, so the most likely token always stays.
-    top_k <= 0 or >= vocab and top_p >= 1 are off.
+    Top-p keeps the most likely tokens until their (top-k renormalised) mass reaches p, so the
+    most likely token always stays. top_k <= 0 or >= vocab and top_p >= 1 are off.
+
+    Both cut at a logit value, not at a position in a sort: tokens tied with the last kept one
+    are kept too. So the mask depends only on the row's values, never on how a sort ordered
+    ties or on which path (full sort, partial top-k) the rest of the batch asked for; that is
+    what keeps a seeded sequence reproducible in any batch.
     """
-    if any(p < 1.0 for p in top_p):
-        return _top_k_top_p_sorted(logits, top_k, top_p)
-    if any(0 < k < logits.shape[-1] for k in top_k):
-        return _top_k(logits, top_k)
-    return logits
-
-
-def _top_k(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
-    # topk(max k) is much cheaper than a full sort when no row needs top-p.
     ks = _effective_k(top_k, logits.shape[-1])
-    values = logits.topk(max(ks), dim=-1).values
-    return logits.masked_fill_(logits < _kth_value(values, ks), -math.inf)
-
-
-def _top_k_top_p_sorted(logits: torch.Tensor, top_k: Sequence[int],
-                        top_p: Sequence[float]) -> torch.Tensor:
-    ks = _effective_k(top_k, logits.shape[-1])
-    if min(ks) > 0:
-        # Every row has a top-k: only the max-k largest can survive, so sort just those.
-        ordered, order = logits.topk(max(ks), dim=-1)
-        logits.fill_(-math.inf)
-    else:
-        ordered, order = logits.sort(dim=-1, descending=True)
-    if max(ks) > 0:
-        ordered.masked_fill_(ordered < _kth_value(ordered, ks), -math.inf)
-    probs = ordered.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
-    # p >= 1 becomes 2: cumsum rounding must not drop far-tail tokens of a row with top-p off.
-    p = _column([q if q < 1.0 else 2.0 for q in top_p], logits)
-    ordered.masked_fill_(mass_before >= p, -math.inf)
-    return logits.scatter_(-1, order, ordered)
+    use_p = any(p < 1.0 for p in top_p)
+    if not use_p and max(ks) == 0:
+        return logits
+    ordered = _descending(logits, ks, top_p if use_p else None)
+    cutoff = _kth_value(ordered, ks)
+    if use_p:
+        cutoff = torch.maximum(cutoff, _nucleus_cutoff(logits, ordered, cutoff, top_p))
+    return logits.masked_fill_(logits < cutoff, -math.inf)
 
 
 def _effective_k(top_k: Sequence[int], vocab: int) -> list[int]:
     return [k if 0 < k < vocab else 0 for k in top_k]  # 0: off
+
+
+def _descending(logits: torch.Tensor, ks: list[int],
+                top_p: Sequence[float] | None) -> torch.Tensor:
+    """The largest logits of each row, sorted: enough of them to find every row's cutoff."""
+    if top_p is None or min(ks) > 0:
+        return logits.topk(max(ks), dim=-1).values  # every cutoff lies within the max-k largest
+    if logits.device.type == "cpu" and logits.shape[-1] >= 4 * _NUCLEUS_CANDIDATES:
+        # A full sort dominates a CPU step; a partial top-k usually holds the nucleus. Checking
+        # that costs a host sync, which is free on CPU (on CUDA the sort is cheap instead).
+        values = logits.topk(_NUCLEUS_CANDIDATES, dim=-1).values
+        if _holds_cutoffs(logits, values, ks, top_p):
+            return values
+    return logits.sort(dim=-1, descending=True).values
+
+
+def _holds_cutoffs(logits: torch.Tensor, values: torch.Tensor, ks: list[int],
+                   top_p: Sequence[float]) -> bool:
+    """Whether the sorted prefix ``values`` reaches every row's top-k or top-p cutoff."""
+    mass = (values.logsumexp(dim=-1) - logits.logsumexp(dim=-1)).exp()
+    k = _long(ks, logits)
+    p = torch.tensor(top_p, dtype=mass.dtype)
+    # A top-k past the prefix needs its k-th value (it normalises the nucleus): not held.
+    # The margin covers rounding in `mass`; falling back to a full sort is always correct.
+    k_held = (k > 0) & (k <= values.shape[-1])
+    p_held = (k == 0) & (p < 1.0) & (mass >= p + 1e-3)
+    return bool((k_held | p_held).all())
 
 
 def _kth_value(descending: torch.Tensor, ks: list[int]) -> torch.Tensor:
@@ -313,6 +341,23 @@ def _kth_value(descending: torch.Tensor, ks: list[int]) -> torch.Tensor:
     k = _long(ks, descending)
     kth = descending.gather(-1, (k - 1).clamp_min(0).unsqueeze(-1))
     return kth.masked_fill_((k == 0).unsqueeze(-1), -math.inf)
+
+
+def _nucleus_cutoff(logits: torch.Tensor, descending: torch.Tensor, k_cutoff: torch.Tensor,
+                    top_p: Sequence[float]) -> torch.Tensor:
+    """(rows, 1): the smallest logit of each row's nucleus among its top-k survivors.
+
+    ``descending`` may be only a sorted prefix of each row, so probabilities are normalised by
+    the whole row's (top-k masked) logsumexp rather than by a softmax over the prefix.
+    """
+    lse = logits.masked_fill(logits < k_cutoff, -math.inf).logsumexp(dim=-1, keepdim=True)
+    survivors = descending.masked_fill(descending < k_cutoff, -math.inf)
+    mass = (survivors - lse).exp().cumsum(dim=-1)
+    mass_before = torch.nn.functional.pad(mass[:, :-1], (1, 0))  # 0 for the top token
+    # p >= 1 becomes 2: cumsum rounding must not cut far-tail tokens of a row with top-p off.
+    p = _column([q if q < 1.0 else 2.0 for q in top_p], logits)
+    kept = (mass_before < p).sum(dim=-1, keepdim=True)  # a prefix: mass_before never decreases
+    return descending.gather(-1, kept - 1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
