@@ -2,7 +2,7 @@
 
 Ctrl-D (or ``/exit``) at the prompt ends the session; Ctrl-C while a reply streams stops that
 reply (its request is aborted, the conversation keeps what was shown); Ctrl-C at the prompt ends
-the session. ``/reset`` starts a new conversation.
+the session. ``/reset`` starts a new conversation, ``/history`` shows it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ChatSession:
         return [{"role": "system", "content": self.system}] if self.system else []
 
     def run(self) -> int:
-        self._say("tokenmill chat: type a message; /reset starts over, Ctrl-D exits.\n")
+        self._say("tokenmill chat: type a message; /history, /reset, Ctrl-D exits.\n")
         while True:
             try:
                 line = input(">>> ")
@@ -39,6 +39,10 @@ class ChatSession:
             text = line.strip()
             if text in ("/exit", "/quit"):
                 return 0
+            if text == "/history":
+                for m in self.messages:
+                    self._say(f"[{m['role']}] {m['content']}\n")
+                continue
             if text == "/reset":
                 self.messages = self._fresh()
                 self._say("(conversation cleared)\n")
