@@ -39,7 +39,7 @@ def test_generate_greedy():
 
 
 def test_interactive_chat_streams_and_keeps_conversation():
-    child = pexpect.spawn(sys.executable, ["-m", "tokenmill.cli", "chat", "--max-tokens", "40",
+    child = pexpect.spawn(sys.executable, ["-m", "tokenmill.cli", "chat", "--max-tokens", "120",
                                            "--kv-cache-memory", "256blocks"],
                           encoding="utf-8", timeout=180, dimensions=(40, 120))
     try:
@@ -55,9 +55,10 @@ def test_interactive_chat_streams_and_keeps_conversation():
                      r"\[assistant\] \S")
         child.expect(">>> ")
         child.sendline("Count from one to one hundred in words.")
-        child.expect("one", timeout=120)  # streaming has begun
+        child.expect("words\\.\r\n")  # the echo of the input line
+        child.expect(r"\w")  # the reply has begun streaming
         child.sendintr()  # Ctrl-C stops this reply, not the session
-        child.expect(">>> ")
+        child.expect(r"\[stopped\]\r\n>>> ")
         child.sendeof()  # Ctrl-D ends the session cleanly
         child.expect(pexpect.EOF)
     finally:

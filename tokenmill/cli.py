@@ -104,8 +104,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     llm = _make_llm(args)
     prompts = ([llm.chat_prompt_ids([{"role": "user", "content": p}]) for p in args.prompt]
                if args.chat else args.prompt)
-    for out in llm.generate(prompts, params, use_tqdm=len(prompts) > 1):
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    elapsed = time.perf_counter() - start
+    for out in outs:
         print(out.outputs[0].text)
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    print(f"tokenmill: {tokens} tokens in {elapsed:.1f}s ({tokens / elapsed:.1f} tokens/s), "
+          f"{llm.engine.num_preemptions} preemptions", file=sys.stderr)
     return 0
 
 

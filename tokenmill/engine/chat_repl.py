@@ -57,16 +57,16 @@ class ChatSession:
 
     def _stream_reply(self) -> str:
         rid = f"chat-{next(self._ids)}"
-        self.engine.add_request(rid, self.llm.chat_prompt_ids(self.messages), self.params)
         shown = ""
         try:
+            self.engine.add_request(rid, self.llm.chat_prompt_ids(self.messages), self.params)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     text = out.outputs[0].text
                     self._say(text[len(shown):])
                     shown = text
         except KeyboardInterrupt:
-            self.engine.abort_request(rid)
+            self.engine.abort_request(rid)  # a no-op if it was never added or already done
             self._say(" [stopped]")
         self._say("\n")
         return shown
