@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: ``generate`` and ``chat`` (``serve`` and ``bench`` as they land).
+"""The ``tokenmill`` command: ``generate``, ``chat`` and ``serve`` (``bench`` as it lands).
 
 The only place that reads the environment and turns user input into config objects.
 """
@@ -73,7 +73,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=512)
     chat.add_argument("--system", default=None, help="system message")
     chat.set_defaults(func=_cmd_chat)
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    _add_serve_args(serve)
+    serve.set_defaults(func=_cmd_serve)
     return parser
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the MODEL argument)")
+    p.add_argument("--api-key", default=None,
+                   help="require Authorization: Bearer KEY on /v1/* (default: env "
+                        "TOKENMILL_API_KEY, else no key)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 503 + Retry-After when this many requests are waiting "
+                        "(default: unbounded)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish on SIGTERM (default: 30)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
 
 
 def _make_llm(args: argparse.Namespace):
@@ -120,6 +141,20 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     params = _sampling_params(args)
     return ChatSession(_make_llm(args), params, args.system).run()
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from tokenmill.server.app import ServerSettings, run_server
+
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise ValueError("--max-queued-requests must be >= 1")
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model, host=args.host, port=args.port,
+        api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
+        max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout)
+    return run_server(_make_llm(args).engine, settings, args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,323 @@
+"""The OpenAI-compatible server, end to end: a real ``tokenmill serve`` in a subprocess, talked
+to with the official ``openai`` client and plain HTTP (httpx)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.test_server_support import MODEL, metrics, start_server, stop_server, wait_idle
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory, "--max-num-seqs", "64")
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient_factory(server):
+    return lambda: openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused",
+                                      max_retries=0, timeout=120)
+
+
+def num_tokens(server, text: str) -> int:
+    return httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["count"]
+
+
+# ----- the happy paths ---------------------------------------------------------------------
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_completion_usage_is_exact(server, client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == num_tokens(server, PROMPT)
+    assert r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text
+
+
+def _streamed_completion(client, **kw):
+    text, finishes, usage = "", [], None
+    for chunk in client.completions.create(model=MODEL, stream=True,
+                                           stream_options={"include_usage": True}, **kw):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.text
+            if c.finish_reason:
+                finishes.append(c.finish_reason)
+    return text, finishes, usage
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(prompt=PROMPT, max_tokens=12, temperature=0)
+    full = client.completions.create(model=MODEL, **kw)
+    text, finishes, usage = _streamed_completion(client, **kw)
+    assert text == full.choices[0].text
+    assert finishes == [full.choices[0].finish_reason]
+    assert usage.model_dump() == full.usage.model_dump()
+
+
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, messages=CHAT, max_completion_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].message.role == "assistant"
+    text, finishes, usage = "", [], None
+    for chunk in client.chat.completions.create(stream=True,
+                                                stream_options={"include_usage": True}, **kw):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.finish_reason:
+                finishes.append(c.finish_reason)
+    assert text == full.choices[0].message.content and text
+    assert finishes == [full.choices[0].finish_reason]
+    assert usage.model_dump() == full.usage.model_dump()
+    assert full.usage.completion_tokens <= 12
+
+
+def test_n_and_seed(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=3,
+                                  temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 18
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=3,
+                                      temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    chat = [client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, seed=3,
+                                           temperature=1.0).choices[0].message.content
+            for _ in range(2)]
+    assert chat[0] == chat[1]
+
+
+def test_stop_string(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base.strip().split()[1] if len(base.split()) > 1 else base.strip()[-2:]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                  stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == base[:base.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    text, finishes, _ = _streamed_completion(client, prompt=PROMPT, max_tokens=12, temperature=0,
+                                             stop=stop, extra_body={"ignore_eos": True})
+    assert text == r.choices[0].text and finishes == ["stop"]
+
+
+def test_completion_logprobs_echo(server, client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logprobs=2, echo=True, extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert c.text.startswith(PROMPT)
+    lp = c.logprobs
+    n_prompt = num_tokens(server, PROMPT)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n_prompt + 4
+    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt
+    assert "".join(lp.tokens) == c.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for token, value, top in zip(lp.tokens[n_prompt:], lp.token_logprobs[n_prompt:],
+                                 lp.top_logprobs[n_prompt:]):
+        assert value <= 0 and top[token] == value and 2 <= len(top) <= 3
+        assert max(top.values()) == value  # greedy picks the most likely token
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert bytes(e.bytes).decode() == e.token
+
+
+def test_token_prompts_and_batches(server, client):
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"] == PROMPT
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    batch = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"],
+                                      max_tokens=5, temperature=0, n=2)
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    assert batch.choices[0].text == by_text.choices[0].text
+    ids_batch = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=3,
+                                          temperature=0)
+    assert ids_batch.usage.prompt_tokens == len(ids) + 2
+    text, finishes, usage = _streamed_completion(client, prompt=[PROMPT, PROMPT], max_tokens=4,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    assert finishes == ["length", "length"] and usage.completion_tokens == 8
+    assert usage.prompt_tokens == 2 * len(ids)
+
+
+# ----- bad input ---------------------------------------------------------------------------
+
+LONG = "hello " * 2100
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 4000}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS,
+                         ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_input(server, path, body, status, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.url}{path}", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_server_keeps_serving_after_bad_input(server, client):
+    for path, body, _, _ in BAD_REQUESTS[:5]:
+        httpx.post(f"{server.url}{path}", json=body if not isinstance(body, bytes) else None)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "Traceback" not in server.log()
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4000)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT)
+
+
+# ----- concurrency, disconnects, metrics ---------------------------------------------------
+
+def test_48_concurrent_streams(server, aclient_factory):
+    async def one(aclient, i):
+        text, finishes, usage = "", [], None
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}],
+            max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                finishes += [c.finish_reason] if c.finish_reason else []
+        return text, finishes, usage
+
+    async def run():
+        aclient = aclient_factory()
+        results = await asyncio.gather(*(one(aclient, i) for i in range(48)))
+        await aclient.close()
+        return results
+
+    results = asyncio.run(run())
+    assert len(results) == 48
+    for text, finishes, usage in results:
+        assert text and finishes == ["length"] and usage.completion_tokens == 8
+    assert wait_idle(server.url)[("tokenmill:num_requests_running", ())] == 0
+
+
+def test_disconnects_free_everything(server):
+    async def disconnect_streaming(http):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "stream": True,
+                "ignore_eos": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return  # leaving the block closes the connection mid-stream
+
+    async def disconnect_waiting(http):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/completions", json=body, timeout=1.0)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            await asyncio.gather(*(disconnect_streaming(http) for _ in range(20)),
+                                 *(disconnect_waiting(http) for _ in range(2)))
+
+    asyncio.run(run())
+    m = wait_idle(server.url, timeout=10)
+    assert m[("tokenmill:num_requests_running", ())] == 0
+    assert m[("tokenmill:num_requests_waiting", ())] == 0
+    assert m[("tokenmill:kv_cache_usage_perc", ())] == 0
+    assert m[("tokenmill:request_success_total", (("finished_reason", "abort"),))] >= 20
+
+
+def test_metrics_counters_match_traffic(server, client):
+    wait_idle(server.url)
+    before = metrics(server.url)
+    prompts, completions = 0, 0
+    for max_tokens in (3, 5, 7):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens,
+                                      extra_body={"ignore_eos": True})
+        prompts += r.usage.prompt_tokens
+        completions += r.usage.completion_tokens
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, n=2,
+                                       extra_body={"ignore_eos": True})
+    prompts += r.usage.prompt_tokens
+    completions += r.usage.completion_tokens
+    after = metrics(server.url)
+
+    def delta(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert delta("tokenmill:prompt_tokens_total") == prompts
+    assert delta("tokenmill:generation_tokens_total") == completions
+    assert delta("tokenmill:request_success_total", (("finished_reason", "length"),)) == 4
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):
+        assert delta(f"tokenmill:{hist}_count") == 4, hist
+    assert delta("tokenmill:request_generation_tokens_sum") == completions
+    assert delta("tokenmill:inter_token_latency_seconds_count") > 0
+    assert delta("tokenmill:iteration_tokens_total_count") > 0
+    for name in ("num_preemptions_total", "admission_rejections_total"):
+        assert (f"tokenmill:{name}", ()) in after
+    assert json.loads(httpx.get(f"{server.url}/v1/models").text)["data"][0]["id"] == MODEL

@@ -1,0 +1,98 @@
+"""Server limits, end to end: API keys, overload (503 + Retry-After) and graceful SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.test_server_support import MODEL, metrics, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory, "--api-key", KEY, "--max-queued-requests", "2",
+                     "--max-num-seqs", "2", "--shutdown-timeout", "20")
+    yield s
+    stop_server(s)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
+                                     {"Authorization": KEY}])
+def test_missing_or_wrong_key_is_401(server, headers):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                         ("POST", "/v1/chat/completions")):
+        r = httpx.request(method, f"{server.url}{path}", headers=headers,
+                          json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 401, (path, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+
+
+def test_right_key_works(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200  # not under /v1
+    good = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    r = good.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert r.usage.completion_tokens <= 2
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_overload_gets_503_while_accepted_requests_complete(server):
+    before = metrics(server.url)
+    body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 12, "ignore_eos": True}
+
+    async def one(http):
+        return await http.post("/v1/completions", json=body)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as http:
+            return await asyncio.gather(*(one(http) for _ in range(16)))
+
+    responses = asyncio.run(run())
+    ok = [r for r in responses if r.status_code == 200]
+    rejected = [r for r in responses if r.status_code == 503]
+    assert len(ok) + len(rejected) == 16
+    # 2 running slots + 2 queued get in at least
+    assert len(ok) >= 4 and rejected, [r.status_code for r in responses]
+    for r in ok:
+        assert r.json()["usage"]["completion_tokens"] == 12
+    for r in rejected:
+        assert int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "overloaded"
+    after = metrics(server.url)
+    key = ("tokenmill:admission_rejections_total", ())
+    assert after[key] - before[key] == len(rejected)
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200  # the spike is over: served again
+
+
+def test_sigterm_finishes_in_flight_request_then_exits_0(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH,
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        server.proc.send_signal(signal.SIGTERM)
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert '"completion_tokens": 24' in events[-2]
+    assert sum('"finish_reason": "length"' in e for e in events) == 1
+    start = time.monotonic()
+    assert server.proc.wait(30) == 0, server.log()
+    assert time.monotonic() - start < 30
+    assert "shutting down" in server.log()

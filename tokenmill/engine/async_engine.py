@@ -1,0 +1,362 @@
+"""AsyncEngine: the LLMEngine step loop in one background thread, one output stream per request.
+
+Threading model: only the loop thread touches the ``LLMEngine`` (it is not thread-safe). The
+asyncio side sends it commands (add, abort) through a locked deque and wakes it with a
+``Condition``; the loop thread hands outputs back with one ``call_soon_threadsafe`` per step.
+PyTorch releases the GIL during the forward, so the event loop stays responsive while it runs.
+
+A caller iterates ``generate()``; when it stops iterating (client gone: ``GeneratorExit`` or
+``CancelledError``) the request is aborted at once and its KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenmill.params import SamplingParams
+from tokenmill.request import RequestOutput, RequestStatus
+
+logger = logging.getLogger("tokenmill.engine")
+
+
+class EngineOverloadedError(Exception):
+    """Too many requests are waiting: the caller should retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailableError(Exception):
+    """The engine is shutting down or its loop died; no new requests are taken."""
+
+
+@dataclass
+class RequestTimings:
+    """Monotonic timestamps of one request, for metrics and the per-request log line."""
+
+    arrival: float
+    scheduled: float | None = None  # first step that ran any of its tokens
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # inter-token latencies (per step)
+    num_tokens: int = 0  # generated tokens over all n completions
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Gauges published by the loop thread after every step (read by /metrics, /health)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_adds_taken: int = 0  # add commands the loop has taken (admission counts the rest)
+
+
+class StatsListener(Protocol):
+    """Called from the loop thread; implementations must be thread-safe (prometheus-client is)."""
+
+    def on_step(self, num_batched_tokens: int, num_new_tokens: int, num_preemptions: int) -> None:
+        ...
+
+    def on_request_finished(self, output: RequestOutput, timings: RequestTimings) -> None:
+        ...
+
+
+class RequestStream:
+    """The outputs of one request, in order; intermediate ones are coalesced when the reader is
+    slower than the engine (outputs are cumulative, so only the newest matters)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue,
+                 timings: RequestTimings):
+        self.request_id = request_id
+        self.timings = timings
+        self.finished = False
+        self.last: RequestOutput | None = None  # written by the loop thread
+        self._engine = engine
+        self._queue = queue
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Abort unless finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Wraps an ``LLMEngine``; call ``start()`` from inside the running event loop."""
+
+    def __init__(self, engine, max_queued_requests: int | None = None,
+                 listener: StatsListener | None = None):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.listener = listener
+        self.snapshot = EngineSnapshot()
+        self._streams: dict[str, RequestStream] = {}  # loop-thread side
+        self._commands: deque = deque()
+        self._cond = threading.Condition()
+        self._adds_sent = 0  # event-loop side; the loop thread counts what it took
+        self._adds_taken = 0
+        self._accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._step_start = 0.0
+        self._max_num_seqs = engine.scheduler_config.max_num_seqs
+
+    # ----- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    @property
+    def num_active(self) -> int:
+        snap = self.snapshot
+        return self._adds_sent - snap.num_adds_taken + snap.num_running + snap.num_waiting
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting; let running requests finish for up to ``timeout`` s; stop the loop."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self.num_active and self.is_alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
+
+    # ----- the caller's side (event loop) ---------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: str | Sequence[int],
+                          params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Queue a request and return its output stream once the engine took it.
+
+        Raises ValueError (bad prompt: nothing queued), EngineOverloadedError or
+        EngineUnavailableError. The caller must iterate the stream to its end or ``abort()`` it.
+        """
+        self._admit()
+        stream = RequestStream(self, request_id, asyncio.Queue(), RequestTimings(time.monotonic()))
+        added = self._loop.create_future()
+        self._adds_sent += 1
+        self._send(("add", request_id, prompt, params, priority, stream, added))
+        try:
+            await added
+        except asyncio.CancelledError:
+            self.abort(request_id)  # commands run in order: this abort follows the add
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | Sequence[int],
+                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs of one request; the last one has ``finished`` set.
+
+        Stopping the iteration early (``GeneratorExit`` / ``CancelledError``) aborts the request.
+        """
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _admit(self) -> None:
+        if not self._accepting or not self.is_alive:
+            raise EngineUnavailableError("the server is shutting down or its engine has stopped")
+        limit = self.max_queued_requests
+        # Requests beyond what can run at once are the queue (a just-added request shows as
+        # waiting until its first step, so waiting alone would over-count). One snapshot gives
+        # a consistent count: each request is either not yet taken or waiting or running.
+        snap = self.snapshot
+        not_taken = self._adds_sent - snap.num_adds_taken
+        queued = not_taken + snap.num_waiting + snap.num_running - self._max_num_seqs
+        if limit is not None and queued >= limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: more than {limit} requests are waiting; retry later")
+
+    def _send(self, command: tuple) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ----- the loop thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stop or self.engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    if self._stop:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    self._apply(command)
+                if commands:
+                    self._publish()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._publish()
+        except BaseException as e:  # the loop is dead: fail every stream, /health turns 503
+            logger.exception("engine loop died")
+            self._error = e
+            error = EngineUnavailableError(f"the engine loop died: {e}")
+            self._deliver([(s, error) for s in self._streams.values()])
+        finally:
+            self._abort_all()
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "abort":
+            self._finish_aborted(command[1])
+            return
+        _, request_id, prompt, params, priority, stream, future = command
+        self._adds_taken += 1
+        try:
+            self.engine.add_request(request_id, prompt, params, priority=priority,
+                                    arrival_time=stream.timings.arrival)
+        except Exception as e:
+            self._loop.call_soon_threadsafe(_settle, future, e)
+            return
+        self._streams[request_id] = stream
+        self._loop.call_soon_threadsafe(_settle, future, None)
+
+    def _finish_aborted(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self.engine.abort_request(request_id)
+        stream.timings.finished = time.monotonic()
+        if stream.last is not None and self.listener:
+            self.listener.on_request_finished(stream.last, stream.timings)
+        _log_finished(request_id, stream, aborted=True)
+
+    def _step(self) -> None:
+        stats = self.engine.stats
+        before_tokens, before_preempt = stats.num_generated_tokens, self.engine.num_preemptions
+        self._step_start = start = time.monotonic()
+        outputs = self.engine.step()
+        now = time.monotonic()
+        self._mark_scheduled(start)
+        deliveries = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            self._record(stream, output, now)
+            deliveries.append((stream, output))
+        self._deliver(deliveries)
+        if self.listener:
+            batched = stats.iteration_tokens[-1] if stats.iteration_tokens else 0
+            self.listener.on_step(batched, stats.num_generated_tokens - before_tokens,
+                                  self.engine.num_preemptions - before_preempt)
+        if len(stats.iteration_tokens) > 1024:  # a long-running server must not grow this list
+            del stats.iteration_tokens[:-1]
+        self._publish()
+
+    def _mark_scheduled(self, now: float) -> None:
+        for seq in self.engine.scheduler.running:
+            stream = self._streams.get(seq.group_id)
+            if stream is not None and stream.timings.scheduled is None \
+                    and seq.status is RequestStatus.RUNNING:
+                stream.timings.scheduled = now
+
+    def _record(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
+        t = stream.timings
+        total = sum(len(c.token_ids) for c in output.outputs)
+        if total > t.num_tokens:
+            if t.first_token is None:
+                t.first_token = now
+                t.scheduled = t.scheduled or self._step_start
+            else:
+                t.token_gaps.append(now - t.last_token)
+            t.last_token = now
+            t.num_tokens = total
+        stream.last = output
+        if output.finished:
+            t.finished = now
+            del self._streams[output.request_id]
+            if self.listener:
+                self.listener.on_request_finished(output, t)
+            _log_finished(output.request_id, stream)
+
+    def _deliver(self, deliveries: list) -> None:
+        if deliveries:
+            self._loop.call_soon_threadsafe(_put_all, deliveries)
+
+    def _publish(self) -> None:
+        sched = self.engine.scheduler
+        self.snapshot = EngineSnapshot(sched.num_running, sched.num_waiting,
+                                       sched.block_manager.usage, self.engine.num_preemptions,
+                                       self._adds_taken)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._streams):
+            try:
+                self._finish_aborted(request_id)
+            except Exception:  # best effort while going down
+                logger.exception("abort of %s failed", request_id)
+        try:
+            self._publish()
+        except Exception:
+            pass
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the caller went away while the add was in flight
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _put_all(deliveries: list) -> None:
+    for stream, item in deliveries:
+        stream._queue.put_nowait(item)
+
+
+def _log_finished(request_id: str, stream: RequestStream, aborted: bool = False) -> None:
+    t = stream.timings
+    out = stream.last
+    prompt = len(out.prompt_token_ids) if out else 0
+    latency = (t.finished or time.monotonic()) - t.arrival
+    ttft = f"{t.first_token - t.arrival:.3f}s" if t.first_token else "-"
+    logger.info("request %s %s: prompt %d tokens, completion %d tokens, ttft %s, latency %.3fs",
+                request_id, "aborted" if aborted else "finished", prompt, t.num_tokens, ttft,
+                latency)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (``tokenmill serve``): FastAPI app, protocol, metrics."""

@@ -1,0 +1,99 @@
+"""Prometheus metrics named like vLLM's (``vllm:`` -> ``tokenmill:``), labelled by model_name.
+
+Counters and histograms are fed by the engine loop thread through ``StatsListener``; gauges are
+read from the engine's published snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+from tokenmill.engine.async_engine import AsyncEngine, RequestTimings
+from tokenmill.request import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class ServerMetrics:
+    """One registry per app, so tests can build several apps in one process."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._engine: AsyncEngine | None = None
+        r, lab = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str, read) -> None:
+            g = Gauge(f"tokenmill:{name}", doc, lab, registry=r)
+            g.labels(model_name).set_function(lambda: read(self._engine.snapshot)
+                                              if self._engine else 0.0)
+
+        gauge("num_requests_running", "Requests running on the engine.", lambda s: s.num_running)
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
+        gauge("kv_cache_usage_perc", "KV cache usage, 0 to 1.", lambda s: s.kv_cache_usage)
+
+        def counter(name: str, doc: str, labels=lab):
+            return Counter(f"tokenmill:{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(f"tokenmill:{name}", doc, lab, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Preemptions.")
+        self.success = counter("request_success", "Finished requests.",
+                               ["model_name", "finished_reason"])
+        self.rejections = counter("admission_rejections", "Requests rejected as overload (503).")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                               _E2E_BUCKETS)
+        self.req_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                    _TOKEN_BUCKETS)
+        self.req_gen = histogram("request_generation_tokens", "Generated tokens per request.",
+                                 _TOKEN_BUCKETS)
+        self.iteration = histogram("iteration_tokens_total", "Tokens per engine step.",
+                                   _TOKEN_BUCKETS)
+        for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.rejections):
+            c.labels(model_name)  # export zeros from the start
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ----- StatsListener (called from the engine loop thread) ----------------------------------
+
+    def on_step(self, num_batched_tokens: int, num_new_tokens: int, num_preemptions: int) -> None:
+        m = self.model_name
+        if num_batched_tokens:
+            self.iteration.labels(m).observe(num_batched_tokens)
+        if num_new_tokens:
+            self.generation_tokens.labels(m).inc(num_new_tokens)
+        if num_preemptions:
+            self.preemptions.labels(m).inc(num_preemptions)
+
+    def on_request_finished(self, output: RequestOutput, t: RequestTimings) -> None:
+        m = self.model_name
+        reason = next((c.finish_reason for c in output.outputs if c.finish_reason), None)
+        self.success.labels(m, reason.value if reason else "abort").inc()
+        self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
+        self.req_prompt.labels(m).observe(len(output.prompt_token_ids))
+        self.req_gen.labels(m).observe(t.num_tokens)
+        if t.first_token is not None:
+            self.ttft.labels(m).observe(t.first_token - t.arrival)
+        for gap in t.token_gaps:
+            self.itl.labels(m).observe(gap)
+        if t.finished is not None:
+            self.e2e.labels(m).observe(t.finished - t.arrival)
+        if t.scheduled is not None:
+            self.queue.labels(m).observe(t.scheduled - t.arrival)

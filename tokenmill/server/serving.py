@@ -1,0 +1,476 @@
+"""The generation endpoints: request -> engine streams -> OpenAI response or SSE chunks.
+
+Everything a user can get wrong is checked before the first engine request is queued, so a bad
+request never touches the engine; errors raise ``APIError`` (400-class) for the app to render.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
+                                           EngineUnavailableError, RequestStream)
+from tokenmill.params import SamplingParams
+from tokenmill.request import RequestOutput
+from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatMessage,
+                                       CompletionRequest, _SamplingFields)
+from tokenmill.tokenizer import ChatTemplateError
+
+_PARAM_FIELDS = set(SamplingParams.__dataclass_fields__)
+
+
+@dataclass
+class _Prompt:
+    text: str | None  # the caller's text (for echo); None for token-id prompts
+    ids: list[int]
+
+
+class OpenAIServing:
+    """Shared state of the endpoints: the engine, its tokenizer, the served name, metrics."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.kv_cache_tokens = engine.engine.kv_cache_tokens
+        self.vocab_size = engine.engine.model_config.vocab_size
+        self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "not_found_error",
+                           "model", "model_not_found")
+
+    # ----- /v1/completions -------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        prompts = self._completion_prompts(req.prompt)
+        logprobs = req.logprobs
+        params = self._params(req, req.max_tokens, logprobs, prompts)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._add_all(rid, [p.ids for p in prompts], params, req.priority)
+        out = _CompletionFormat(self, rid, req, prompts)
+        if req.stream:
+            return _sse(out.chunks(_merge(streams)), streams)
+        finals = await _collect(streams, raw)
+        return JSONResponse(out.response(finals))
+
+    def _completion_prompts(self, prompt: Any) -> list[_Prompt]:
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        return [self._prompt(p, "prompt") for p in items]
+
+    def _prompt(self, prompt: str | list[int], param: str) -> _Prompt:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids, text = list(prompt), None
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary "
+                               f"[0, {self.vocab_size})", param=param, code="invalid_value")
+        if not ids:
+            raise APIError(400, f"{param} must not be empty", param=param, code="invalid_value")
+        if len(ids) >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                           f"tokens. However, your prompt has {len(ids)} tokens.", param=param,
+                           code="context_length_exceeded")
+        return _Prompt(text, ids)
+
+    # ----- /v1/chat/completions -------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt,
+                                  req.chat_template_kwargs)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs",
+                           code="invalid_value")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = self._params(req, max_tokens, logprobs, [prompt], param)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._add_all(rid, [prompt.ids], params, req.priority)
+        out = _ChatFormat(self, rid, req)
+        if req.stream:
+            return _sse(out.chunks(_merge(streams)), streams)
+        finals = await _collect(streams, raw)
+        return JSONResponse(out.response(finals[0]))
+
+    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                    kwargs: dict[str, Any] | None = None) -> _Prompt:
+        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt,
+                                                      **(kwargs or {}))
+        except (ChatTemplateError, TypeError, ValueError) as e:
+            raise APIError(400, f"the chat template failed: {e}", param="messages",
+                           code="invalid_value") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self._prompt(ids, "messages")
+
+    # ----- shared -----------------------------------------------------------------------------
+
+    def _params(self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                prompts: list[_Prompt], max_tokens_param: str = "max_tokens") -> SamplingParams:
+        longest = max(len(p.ids) for p in prompts)
+        if max_tokens is None:  # until the context (or what the KV cache can hold) ends
+            max_tokens = max(1, min(self.max_model_len, self.kv_cache_tokens) - longest)
+        elif isinstance(max_tokens, int) and max_tokens >= 1 \
+                and longest + max_tokens > self.max_model_len:
+            raise APIError(400, f"{max_tokens_param}={max_tokens} plus the prompt's {longest} "
+                           f"tokens exceeds the model's maximum context length of "
+                           f"{self.max_model_len} tokens", param=max_tokens_param,
+                           code="context_length_exceeded")
+        try:
+            return SamplingParams(**_sampling_kwargs(req, max_tokens, logprobs))
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            if name == "max_tokens":
+                name = max_tokens_param
+            raise APIError(400, str(e), param=name if name in _PARAM_FIELDS | {max_tokens_param}
+                           else None, code="invalid_value") from None
+
+    async def _add_all(self, rid: str, prompts: list[list[int]], params: SamplingParams,
+                       priority: int) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                streams.append(await self.engine.add_request(request_id, ids, params, priority))
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, EngineOverloadedError):
+                self.metrics.rejections.labels(self.model_name).inc()
+                raise APIError(503, str(e), "overloaded_error", None, "overloaded",
+                               {"Retry-After": str(e.retry_after)}) from None
+            if isinstance(e, EngineUnavailableError):
+                raise APIError(503, str(e), "server_error", None, "unavailable",
+                               {"Retry-After": "5"}) from None
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param="prompt", code="invalid_value") from None
+            raise
+        return streams
+
+
+def _message_dict(m: ChatMessage, index: int) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{index}].content: only text parts are supported",
+                               param="messages", code="invalid_value")
+            texts.append(part["text"])
+        content = "".join(texts)
+    d: dict[str, Any] = {"role": m.role, "content": content or ""}
+    if m.name is not None:
+        d["name"] = m.name
+    return d
+
+
+def _sampling_kwargs(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> dict:
+    kw: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "logprobs": logprobs,
+                          "seed": req.seed, "min_tokens": req.min_tokens,
+                          "ignore_eos": req.ignore_eos,
+                          "skip_special_tokens": req.skip_special_tokens,
+                          "include_stop_str_in_output": req.include_stop_str_in_output,
+                          "stop_token_ids": req.stop_token_ids or ()}
+    for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1), ("min_p", 0.0),
+                          ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0)):
+        value = getattr(req, name)
+        kw[name] = default if value is None else value
+    kw["stop"] = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+    kw["logit_bias"] = bias
+    return kw
+
+
+# ----- streams ----------------------------------------------------------------------------------
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as (stream index, output), in arrival order."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _collect(streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+    """Final outputs of all streams; a client that disconnects aborts them at once."""
+    async def last(stream: RequestStream) -> RequestOutput:
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    task = asyncio.gather(*(last(s) for s in streams))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                raise APIError(499, "the client disconnected", code="client_disconnected")
+    except EngineUnavailableError as e:
+        raise APIError(503, str(e), "server_error", None, "unavailable") from None
+    finally:
+        task.cancel()
+        for s in streams:
+            s.abort()
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """Aborts its requests however the response ends, even if the body was never iterated."""
+
+    def __init__(self, content, streams: list[RequestStream]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.abort()
+
+
+def _sse(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except (EngineUnavailableError, APIError) as e:
+            err = e if isinstance(e, APIError) else APIError(503, str(e), "server_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return _AbortingStreamingResponse(events(), streams)
+
+
+# ----- response shapes -------------------------------------------------------------------------
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _ChoiceCursor:
+    """What of one choice was already sent: text characters, logprob entries, finish."""
+
+    def __init__(self, text_offset: int = 0):
+        self.text = 0
+        self.logprobs = 0
+        self.offset = text_offset  # completions' text_offset of the next token
+        self.done = False
+        self.started = False
+
+
+class _CompletionFormat:
+    def __init__(self, serving: OpenAIServing, rid: str, req: CompletionRequest,
+                 prompts: list[_Prompt]):
+        self.s = serving
+        self.rid = rid
+        self.req = req
+        self.prompts = prompts
+        self.created = int(time.time())
+
+    def _echo(self, i: int) -> str:
+        p = self.prompts[i]
+        return p.text if p.text is not None else self.s.tokenizer.decode(p.ids)
+
+    def _logprobs(self, entries: list, cursor: _ChoiceCursor, echo_ids: list[int] | None) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token_id in echo_ids or ():
+            tokens.append(self.s.token_text(token_id))
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(cursor.offset)
+            cursor.offset += len(tokens[-1])
+        for e in entries:
+            text = self.s.token_text(e.token_id)
+            top = {self.s.token_text(t): lp for t, lp in e.top}
+            top.setdefault(text, e.logprob)
+            tokens.append(text)
+            token_lps.append(e.logprob)
+            tops.append(top)
+            offsets.append(cursor.offset)
+            cursor.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _choice_delta(self, index: int, prompt_index: int, c, cursor: _ChoiceCursor) -> dict | None:
+        echo = self.req.echo and not cursor.started
+        text = (self._echo(prompt_index) if echo else "") + c.text[cursor.text:]
+        entries = (c.logprobs or [])[cursor.logprobs:]
+        finish = c.finish_reason.value if c.finish_reason and not cursor.done else None
+        if not (text or entries or finish or echo):
+            return None
+        lp = None
+        if self.req.logprobs is not None:
+            lp = self._logprobs(entries, cursor, self.prompts[prompt_index].ids if echo else None)
+        cursor.started, cursor.text = True, len(c.text)
+        cursor.logprobs += len(entries)
+        cursor.done = cursor.done or finish is not None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": c.stop_reason if finish else None}
+
+    async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
+        n = self.req.n
+        cursors = [_ChoiceCursor() for _ in range(n * len(self.prompts))]
+        finals: dict[int, RequestOutput] = {}
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        async for pi, out in outputs:
+            finals[pi] = out
+            choices = [d for c in out.outputs if (d := self._choice_delta(
+                pi * n + c.index, pi, c, cursors[pi * n + c.index])) is not None]
+            if choices:
+                yield self._chunk(choices, include_usage)
+        if include_usage:
+            yield {**self._chunk([], False), "usage": self._total_usage(finals.values())}
+
+    def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
+        chunk = {"id": self.rid, "object": "text_completion", "created": self.created,
+                 "model": self.s.model_name, "choices": choices}
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _total_usage(self, finals) -> dict:
+        finals = list(finals)
+        return _usage(sum(len(o.prompt_token_ids) for o in finals),
+                      sum(len(c.token_ids) for o in finals for c in o.outputs))
+
+    def response(self, finals: list[RequestOutput]) -> dict:
+        n = self.req.n
+        choices = []
+        for pi, out in enumerate(finals):
+            for c in out.outputs:
+                choices.append(self._choice_delta(pi * n + c.index, pi, c, _ChoiceCursor()))
+        return {"id": self.rid, "object": "text_completion", "created": self.created,
+                "model": self.s.model_name, "choices": choices,
+                "usage": self._total_usage(finals)}
+
+
+class _ChatFormat:
+    def __init__(self, serving: OpenAIServing, rid: str, req: ChatCompletionRequest):
+        self.s = serving
+        self.rid = rid
+        self.req = req
+        self.created = int(time.time())
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.s.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, entries: list) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        content = []
+        for e in entries:
+            top = [self._entry(t, lp) for t, lp in e.top[:self.req.top_logprobs or 0]]
+            content.append({**self._entry(e.token_id, e.logprob), "top_logprobs": top})
+        return {"content": content}
+
+    async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
+        cursors = [_ChoiceCursor() for _ in range(self.req.n)]
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        final = None
+        for i in range(self.req.n):  # the role first, like OpenAI, so clients see headers early
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}], include_usage)
+        async for _, out in outputs:
+            final = out
+            choices = [d for c in out.outputs
+                       if (d := self._delta(c, cursors[c.index])) is not None]
+            if choices:
+                yield self._chunk(choices, include_usage)
+        if include_usage and final is not None:
+            yield {**self._chunk([], False), "usage": _usage(
+                len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))}
+
+    def _delta(self, c, cursor: _ChoiceCursor) -> dict | None:
+        text = c.text[cursor.text:]
+        entries = (c.logprobs or [])[cursor.logprobs:]
+        finish = c.finish_reason.value if c.finish_reason and not cursor.done else None
+        if not (text or entries or finish):
+            return None
+        cursor.text, cursor.logprobs = len(c.text), cursor.logprobs + len(entries)
+        cursor.done = cursor.done or finish is not None
+        return {"index": c.index, "delta": {"content": text} if text else {},
+                "logprobs": self._logprobs(entries), "finish_reason": finish}
+
+    def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
+        chunk = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.s.model_name, "choices": choices}
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def response(self, out: RequestOutput) -> dict:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c.logprobs or []),
+                    "finish_reason": c.finish_reason.value if c.finish_reason else None,
+                    "stop_reason": c.stop_reason}
+                   for c in out.outputs]
+        return {"id": self.rid, "object": "chat.completion", "created": self.created,
+                "model": self.s.model_name, "choices": choices,
+                "usage": _usage(len(out.prompt_token_ids),
+                                sum(len(c.token_ids) for c in out.outputs))}
