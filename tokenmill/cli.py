@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: ``generate``, ``chat`` and ``serve`` (``bench`` as it lands).
+"""The ``tokenmill`` command: ``generate``, ``chat``, ``serve`` and ``bench``.
 
 The only place that reads the environment and turns user input into config objects.
 """
@@ -44,7 +44,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "lpm"],
+                   help="lpm: longest cached prefix first (falls back to fcfs past 128 waiting)")
+    p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
+                   help="turn off automatic prefix caching (on by default)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -77,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     _add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
+    from tokenmill.bench.main import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -105,7 +111,8 @@ def _make_llm(args: argparse.Namespace):
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed,
               block_size=args.block_size, num_blocks=kv_blocks, kv_cache_memory=kv_bytes,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, policy=args.scheduling_policy)
+              max_model_len=args.max_model_len, policy=args.scheduling_policy,
+              enable_prefix_caching=args.enable_prefix_caching)
     engine = llm.engine
     print(f"tokenmill: loaded {engine.loaded.source.path} in {time.perf_counter() - t0:.1f}s; "
           f"KV cache {engine.kv_cache_tokens} tokens", file=sys.stderr)
