@@ -30,10 +30,11 @@ def fake_token(request: Request) -> int:
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32,
                    max_seqs: int = 8, policy: str = "fcfs", max_model_len: int | None = None,
-                   watermark: float = 0.0) -> Scheduler:
+                   watermark: float = 0.0, prefix_cache: bool = True) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                      max_model_len=max_model_len, policy=policy),
-                     CacheConfig(block_size=block_size, watermark=watermark),
+                     CacheConfig(block_size=block_size, watermark=watermark,
+                                 enable_prefix_caching=prefix_cache),
                      num_blocks=num_blocks, eos_token_ids=[EOS])
 
 
@@ -179,17 +180,22 @@ def test_stats_snapshot_counts_steps_and_overhead() -> None:
 
 # ----- memory pressure ------------------------------------------------------------------------
 
-def test_preemption_recomputes_and_every_request_finishes() -> None:
-    scheduler = make_scheduler(num_blocks=9, block_size=4, budget=64)  # 32 tokens of KV
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_preemption_recomputes_and_every_request_finishes(prefix_cache: bool) -> None:
+    scheduler = make_scheduler(num_blocks=9, block_size=4, budget=64,  # 32 tokens of KV
+                               prefix_cache=prefix_cache)
     driver = Driver(scheduler)
     sequences = driver.run({0: [make_request(f"r{i}", 6, max_tokens=10) for i in range(4)]})
     assert scheduler.num_preemptions > 0
     assert sum(s.num_preemptions for s in sequences) == scheduler.num_preemptions
     assert all(s.num_output_tokens == 10 for s in sequences)
     assert all(s.output_token_ids == [fake_token_at(s, k) for k in range(10)] for s in sequences)
-    recomputes = [c for o in driver.outputs for c in o.scheduled
-                  if c.start_pos == 0 and c.num_tokens > c.request.num_prompt_tokens]
-    assert recomputes  # resumed as a prefill over prompt + kept output tokens
+    if prefix_cache:  # the preempted blocks went to the cache; the recompute reuses them
+        assert scheduler.stats().prefix_cache_hits > 0
+    else:
+        recomputes = [c for o in driver.outputs for c in o.scheduled
+                      if c.start_pos == 0 and c.num_tokens > c.request.num_prompt_tokens]
+        assert recomputes  # resumed as a prefill over prompt + kept output tokens
     assert any(o.preempted_ids for o in driver.outputs)
 
 
@@ -348,7 +354,8 @@ def test_n_sequences_share_full_prompt_blocks_and_free_them() -> None:
     tables = [scheduler.block_manager.block_table(s.request_id) for s in sequences]
     shared = tables[0][:2]  # 8 of the 10 prompt tokens
     assert all(t == shared for t in tables[1:])
-    assert [scheduler.block_manager.pool.ref_count(b) for b in shared] == [3, 3]
+    # three tables, plus the prefix cache's reference on the leader's computed prompt blocks
+    assert [scheduler.block_manager.pool.ref_count(b) for b in shared] == [4, 4]
     second = driver.step()
     tails = {c.request_id: (c.start_pos, c.num_tokens) for c in second.scheduled}
     assert tails == {"r#0": (10, 1), "r#1": (8, 2), "r#2": (8, 2)}  # only the tail recomputed

@@ -93,7 +93,10 @@ def test_chat_stream_equals_non_stream(client):
                 finishes.append(c.finish_reason)
     assert text == full.choices[0].message.content and text
     assert finishes == [full.choices[0].finish_reason]
-    assert usage.model_dump() == full.usage.model_dump()
+    # The second run of the same prompt hits the prefix cache: only cached_tokens may differ.
+    assert usage.prompt_tokens_details.cached_tokens >= full.usage.prompt_tokens_details.cached_tokens
+    assert ({**usage.model_dump(), "prompt_tokens_details": None}
+            == {**full.usage.model_dump(), "prompt_tokens_details": None})
     assert full.usage.completion_tokens <= 12
 
 
@@ -321,3 +324,62 @@ def test_metrics_counters_match_traffic(server, client):
     for name in ("num_preemptions_total", "admission_rejections_total"):
         assert (f"tokenmill:{name}", ()) in after
     assert json.loads(httpx.get(f"{server.url}/v1/models").text)["data"][0]["id"] == MODEL
+
+
+# ----- prefix caching ---------------------------------------------------------------------
+
+LONG = ("Prefix caching test. " * 30).strip()
+
+
+def test_cached_tokens_in_usage_and_metrics(server, client):
+    wait_idle(server.url)
+    httpx.post(f"{server.url}/flush_cache").raise_for_status()
+    before = metrics(server.url)
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 2, "ignore_eos": True}
+    first = httpx.post(f"{server.url}/v1/completions", json=body).json()["usage"]
+    second = client.completions.create(model=MODEL, prompt=LONG, max_tokens=2,
+                                       extra_body={"ignore_eos": True}).usage
+    n = first["prompt_tokens"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
+    salted = httpx.post(f"{server.url}/v1/completions",
+                        json={**body, "cache_salt": "tenant-b"}).json()["usage"]
+    assert salted["prompt_tokens_details"]["cached_tokens"] == 0
+    chat = [{"role": "user", "content": LONG}]
+    client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2)
+    r = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16
+    stream = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2,
+                                            stream=True, stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage][-1]
+    assert usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens_details.cached_tokens
+    after = metrics(server.url)
+
+    def delta(name):
+        return after.get((name, ()), 0) - before.get((name, ()), 0)
+
+    hits = (second.prompt_tokens_details.cached_tokens + 2 * usage.prompt_tokens_details.cached_tokens)
+    assert delta("tokenmill:prefix_cache_hits_total") == hits
+    assert delta("tokenmill:prefix_cache_queries_total") == 3 * n + 3 * r.usage.prompt_tokens
+
+
+def test_flush_cache_refused_while_running(server, client):
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            body = {"model": MODEL, "prompt": LONG, "max_tokens": 300, "stream": True,
+                    "ignore_eos": True}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        break
+                refused = await http.post("/flush_cache")
+            return refused
+
+    refused = asyncio.run(run())
+    assert refused.status_code == 400
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    wait_idle(server.url)
+    ok = httpx.post(f"{server.url}/flush_cache")
+    assert ok.status_code == 200 and ok.json()["flushed_blocks"] >= 0
+    usage = client.completions.create(model=MODEL, prompt=LONG, max_tokens=1).usage
+    assert usage.prompt_tokens_details.cached_tokens == 0  # flushed

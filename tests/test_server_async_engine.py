@@ -31,7 +31,8 @@ class FakeEngine:
                                          block_manager=SimpleNamespace(usage=0.0))
         self.thread_ids: set[int] = set()
 
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None,
+                    cache_salt=None):
         self.thread_ids.add(threading.get_ident())
         if not prompt:
             raise ValueError("prompt is empty")

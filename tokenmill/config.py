@@ -71,6 +71,7 @@ class CacheConfig:
     num_blocks: int | None = None  # derived from kv_cache_memory when None
     kv_cache_memory: int | None = None  # bytes; derived from free memory when both are None
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
+    enable_prefix_caching: bool = True  # radix-tree prefix cache (False: a null cache)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    policy: str = "fcfs"  # "fcfs" | "priority"
+    policy: str = "fcfs"  # "fcfs" | "priority" | "lpm" (longest cached prefix first)
 
 
 @dataclass(frozen=True)

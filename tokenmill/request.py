@@ -69,6 +69,7 @@ class Request:
     eos_token_ids: tuple[int, ...] | None = None  # None: the scheduler's model-wide EOS ids
     parent_id: str | None = None  # the caller's request id when this is one of n > 1 sequences
     seq_index: int = 0
+    cache_salt: str | None = None  # prefix-cache namespace: other salts never share its blocks
     # Owned by the scheduler from here on.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (or written this step)
@@ -76,6 +77,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     arrival_seq: int = 0  # set by the scheduler: orders requests with equal arrival times
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission; None before
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:
@@ -155,6 +157,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     prompt: str | None = None  # the prompt text, when the caller gave text
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @classmethod
     def from_sequences(cls, sequences: list[Request]) -> RequestOutput:
@@ -164,4 +167,5 @@ class RequestOutput:
                                     finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                    for s in sorted(sequences, key=lambda s: s.seq_index)]
         return cls(first.group_id, first.prompt_token_ids, outputs,
-                   finished=all(s.is_finished for s in sequences))
+                   finished=all(s.is_finished for s in sequences),
+                   num_cached_tokens=first.num_cached_tokens or 0)

@@ -18,6 +18,11 @@ Block layout and slot mapping (block_size = 4 here, 16 by default)::
 
 Blocks are never over-allocated: a table always holds exactly ceil(tokens / block_size) blocks
 for the tokens computed so far (including those scheduled this step).
+
+Prefix caching (``cache/radix.py``): on admission ``acquire_cached_prefix`` starts a table with
+the cached blocks of the longest matching prefix (one more reference each, the tree path
+locked); ``free`` gives a finished or preempted sequence's full blocks to the tree before
+dropping its references. Free blocks = the pool's free queue + what the tree could evict.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 from collections import Counter
 
 from tokenmill.cache.block_pool import NULL_BLOCK, BlockPool, CacheIntegrityError
+from tokenmill.cache.radix import PrefixHandle, make_prefix_cache
 from tokenmill.request import Request
 
 
@@ -40,7 +46,8 @@ def slot_of(block_table: list[int], pos: int, block_size: int) -> int:
 class KVBlockManager:
     """Maps request ids to block tables; the only code that takes blocks from the pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
+                 enable_prefix_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -50,14 +57,18 @@ class KVBlockManager:
         # Kept free when admitting new requests so running ones can still grow a little.
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
         self._tables: dict[str, list[int]] = {}
+        self.prefix_cache = make_prefix_cache(enable_prefix_caching, self.pool, block_size)
+        self._handles: dict[str, PrefixHandle] = {}  # locked cached prefix per sequence
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        """Blocks an allocation can get: the free queue plus unlocked cached blocks."""
+        return self.pool.num_free_blocks + self.prefix_cache.num_evictable_blocks
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        """Fraction of usable blocks held by sequences (evictable cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.pool.num_usable_blocks
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -74,18 +85,64 @@ class KVBlockManager:
         """Whether the next ``num_new_tokens`` fit, keeping ``watermark_blocks`` free if asked."""
         reserve = self.watermark_blocks if watermark else 0
         needed = self.num_blocks_needed(request, num_new_tokens)
-        return needed <= self.pool.num_free_blocks - reserve
+        return needed <= self.num_free_blocks - reserve
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow the table to cover ``num_computed_tokens + num_new_tokens``; False (and no change)
-        when the pool has too few free blocks."""
+        """Grow the table to cover ``num_computed_tokens + num_new_tokens``, evicting cached
+        prefixes if the free queue is short; False (and no new blocks) when still too few."""
         needed = self.num_blocks_needed(request, num_new_tokens)
+        if needed > self.pool.num_free_blocks:
+            self.prefix_cache.evict(needed - self.pool.num_free_blocks)
         if needed > self.pool.num_free_blocks:
             return False
         table = self._tables.setdefault(request.request_id, [])
         for _ in range(needed):
             table.append(self.pool.allocate())
         return True
+
+    def cacheable_prefix_len(self, request: Request) -> int:
+        """Tokens a cache hit may cover: whole blocks short of the last known token, which must
+        be computed to have logits to sample from."""
+        return (request.num_tokens - 1) // self.block_size * self.block_size
+
+    def cached_prefix_len(self, request: Request) -> int:
+        """Tokens of the request the cache holds now (what ``acquire_cached_prefix`` would take)."""
+        tokens = request.token_ids_slice(0, self.cacheable_prefix_len(request))
+        return self.prefix_cache.match(tokens, request.cache_salt).num_tokens
+
+    def acquire_cached_prefix(self, request: Request) -> int:
+        """Start the (empty) table of ``request`` with its longest cached prefix, locked; returns
+        the number of tokens whose KV it already has."""
+        if request.request_id in self._tables:
+            raise CacheIntegrityError(f"{request.request_id!r} already holds blocks")
+        tokens = request.token_ids_slice(0, self.cacheable_prefix_len(request))
+        handle = self.prefix_cache.match(tokens, request.cache_salt)
+        if not handle.blocks:
+            return 0
+        self.prefix_cache.lock(handle)
+        for block_id in handle.blocks:
+            self.pool.incref(block_id)
+        self._tables[request.request_id] = list(handle.blocks)
+        self._handles[request.request_id] = handle
+        return handle.num_tokens
+
+    def cache_computed(self, request: Request) -> None:
+        """Share a running sequence's full computed blocks (its KV is written) through the cache
+        now, so that requests arriving meanwhile hit them; the sequence locks the new path."""
+        table = self._tables.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        old = self._handles.get(request.request_id)
+        if num_full * self.block_size <= (old.num_tokens if old else 0):
+            return
+        tokens = request.token_ids_slice(0, num_full * self.block_size)
+        self.prefix_cache.insert(tokens, table[:num_full], request.cache_salt)
+        handle = self.prefix_cache.match(tokens, request.cache_salt)
+        if not handle.blocks:  # the null cache
+            return
+        self.prefix_cache.lock(handle)
+        if old is not None:
+            self.prefix_cache.unlock(old)
+        self._handles[request.request_id] = handle
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
         """Give ``child`` the parent's first ``num_tokens`` (whole blocks) by reference."""
@@ -99,19 +156,36 @@ class KVBlockManager:
         if shared:
             self._tables[child.request_id] = shared
 
-    def free(self, request: Request) -> None:
-        """Release every block of the request (finish, abort, preemption); no-op when none."""
+    def free(self, request: Request, num_cacheable_tokens: int = 0) -> None:
+        """Release every block of the request (finish, abort, preemption); no-op when none.
+        The full blocks of its first ``num_cacheable_tokens`` tokens (whose KV is written) go to
+        the prefix cache first."""
+        table = self._tables.pop(request.request_id, [])
+        num_full = min(num_cacheable_tokens // self.block_size, len(table))
+        if num_full:
+            tokens = request.token_ids_slice(0, num_full * self.block_size)
+            self.prefix_cache.insert(tokens, table[:num_full], request.cache_salt)
+        handle = self._handles.pop(request.request_id, None)
+        if handle is not None:
+            self.prefix_cache.unlock(handle)
         # Tail first: with prefix caching, the most specific blocks should be evicted first.
-        for block_id in reversed(self._tables.pop(request.request_id, [])):
+        for block_id in reversed(table):
             self.pool.free(block_id)
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every unlocked cached prefix; returns the number of blocks dropped."""
+        return self.prefix_cache.flush()
 
     def owners(self) -> list[str]:
         return list(self._tables)
 
     def check_integrity(self) -> None:
-        """Pool invariants, and every reference is held by exactly the tables that list it."""
+        """Pool invariants, and every reference is held by exactly the tables that list it and
+        the prefix cache."""
         self.pool.check_integrity()
-        held: Counter[int] = Counter()
+        held: Counter[int] = self.prefix_cache.references()
+        if set(self._handles) - set(self._tables):
+            raise CacheIntegrityError("a sequence without blocks holds a prefix lock")
         for request_id, table in self._tables.items():
             if not table or NULL_BLOCK in table or len(set(table)) != len(table):
                 raise CacheIntegrityError(f"bad block table for {request_id!r}: {table}")
@@ -120,4 +194,4 @@ class KVBlockManager:
             if held[block_id] != self.pool.ref_count(block_id):
                 raise CacheIntegrityError(
                     f"block {block_id}: ref count {self.pool.ref_count(block_id)} but "
-                    f"{held[block_id]} tables list it")
+                    f"{held[block_id]} tables and the prefix cache hold it")

@@ -160,7 +160,8 @@ class AsyncEngine:
     # ----- the caller's side (event loop) ---------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | Sequence[int],
-                          params: SamplingParams, priority: int = 0) -> RequestStream:
+                          params: SamplingParams, priority: int = 0,
+                          cache_salt: str | None = None) -> RequestStream:
         """Queue a request and return its output stream once the engine took it.
 
         Raises ValueError (bad prompt: nothing queued), EngineOverloadedError or
@@ -170,7 +171,7 @@ class AsyncEngine:
         stream = RequestStream(self, request_id, asyncio.Queue(), RequestTimings(time.monotonic()))
         added = self._loop.create_future()
         self._adds_sent += 1
-        self._send(("add", request_id, prompt, params, priority, stream, added))
+        self._send(("add", request_id, prompt, params, priority, cache_salt, stream, added))
         try:
             await added
         except asyncio.CancelledError:
@@ -193,6 +194,13 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    async def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix on the loop thread; returns the blocks dropped. Raises
+        RuntimeError while requests are running or waiting."""
+        done = self._loop.create_future()
+        self._send(("flush", done))
+        return await done
 
     def _admit(self) -> None:
         if not self._accepting or not self.is_alive:
@@ -245,16 +253,27 @@ class AsyncEngine:
         if command[0] == "abort":
             self._finish_aborted(command[1])
             return
-        _, request_id, prompt, params, priority, stream, future = command
+        if command[0] == "flush":
+            self._flush(command[1])
+            return
+        _, request_id, prompt, params, priority, cache_salt, stream, future = command
         self._adds_taken += 1
         try:
             self.engine.add_request(request_id, prompt, params, priority=priority,
-                                    arrival_time=stream.timings.arrival)
+                                    arrival_time=stream.timings.arrival, cache_salt=cache_salt)
         except Exception as e:
             self._loop.call_soon_threadsafe(_settle, future, e)
             return
         self._streams[request_id] = stream
         self._loop.call_soon_threadsafe(_settle, future, None)
+
+    def _flush(self, future: asyncio.Future) -> None:
+        try:
+            result = self.engine.flush_prefix_cache()
+        except RuntimeError as e:
+            self._loop.call_soon_threadsafe(_settle, future, e)
+            return
+        self._loop.call_soon_threadsafe(_settle_value, future, result)
 
     def _finish_aborted(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -344,6 +363,11 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _settle_value(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _put_all(deliveries: list) -> None:

@@ -19,20 +19,22 @@ class LLM:
 
     Keyword arguments map onto the configs: ``device``, ``dtype``, ``seed``, ``block_size``,
     ``num_blocks``, ``kv_cache_memory`` (bytes), ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``max_model_len``, ``policy``.
+    ``max_model_len``, ``policy`` (``fcfs``, ``priority``, ``lpm``), ``enable_prefix_caching``.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu",
                  dtype: str | None = None, seed: int = 0, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, policy: str = "fcfs"):
+                 max_model_len: int | None = None, policy: str = "fcfs",
+                 enable_prefix_caching: bool = True):
         from tokenmill.engine.llm_engine import LLMEngine
 
         config = EngineConfig(
             model=model, device=device, dtype=dtype, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                              kv_cache_memory=kv_cache_memory),
+                              kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                       policy=policy))
@@ -42,14 +44,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in the order of the prompts."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
+                                        cache_salt=cache_salt)
             finished = self._run(len(prompts), use_tqdm)
         except BaseException:
             for rid in ids:  # leave the engine clean for the next call

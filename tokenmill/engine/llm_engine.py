@@ -71,14 +71,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Queue a request. Raises ValueError (nothing queued) for a bad prompt or one that can
-        never fit the context or the KV cache."""
+        never fit the context or the KV cache. Requests with different ``cache_salt`` never
+        share prefix-cache entries."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
-        request = Request(request_id, ids, params, priority=priority,
+        request = Request(request_id, ids, params, priority=priority, cache_salt=cache_salt,
                           **({} if arrival_time is None else {"arrival_time": arrival_time}))
         sequences = self.scheduler.add_request(request)
         self._requests[request_id] = RequestState(request_id, text, ids, params, sequences,
@@ -110,6 +111,13 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix; returns the blocks dropped. Refused (RuntimeError) while
+        requests are unfinished, whose cached prefixes are in use."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot flush the prefix cache while requests are running")
+        return self.scheduler.flush_prefix_cache()
 
     # ----- one step ---------------------------------------------------------------------------
 
@@ -163,6 +171,7 @@ class LLMEngine:
         outputs = []
         for request_id, state in touched.items():
             output = state.output()
+            output.num_cached_tokens = state.sequences[0].num_cached_tokens or 0
             if output.finished:
                 del self._requests[request_id]
             outputs.append(output)

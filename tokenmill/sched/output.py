@@ -70,6 +70,12 @@ class SchedulerStats:
     last_num_batched_tokens: int
     last_num_scheduled: int
     overhead_seconds_total: float  # time inside schedule() and update_from_output()
+    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV the cache had
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / max(1, self.prefix_cache_queries)
 
     @property
     def mean_overhead_us(self) -> float:

@@ -7,7 +7,7 @@ request with the largest key. Keys never change while a request lives, so queues
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from tokenmill.request import Request
 
@@ -42,3 +42,25 @@ def fcfs(request: Request) -> tuple[float, ...]:
 def priority(request: Request) -> tuple[float, ...]:
     """Lower ``priority`` value first (as in vLLM); ties go to the earlier arrival."""
     return (request.priority, *fcfs(request))
+
+
+# Sorting the waiting queue by cache hit costs a tree walk per request per step; beyond this many
+# waiting requests ``lpm`` admits in FCFS order instead (as SGLang does).
+LPM_MAX_WAITING = 128
+
+
+@register_policy("lpm")
+def lpm(request: Request) -> tuple[float, ...]:
+    """Longest prefix match: the static order is FCFS; admission reorders the waiting queue by
+    cached prefix length (``longest_prefix_first``), which changes as the cache does."""
+    return fcfs(request)
+
+
+def is_prefix_aware(name: str) -> bool:
+    return name == "lpm"
+
+
+def longest_prefix_first(waiting: Iterable[Request],
+                         cached_len: Callable[[Request], int]) -> list[Request]:
+    """Longest cached prefix first; equal hits keep their queue (FCFS) order."""
+    return sorted(waiting, key=lambda r: -cached_len(r))

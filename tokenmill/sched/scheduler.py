@@ -24,8 +24,16 @@ block-copy kernel is ever needed. Forked sequences join the running queue direct
 run in the step that writes the KV they share. A preempted sequence drops its references and
 recomputes from scratch; siblings keep the shared blocks alive.
 
-Preemption is by recomputation: the victim's blocks are freed, it keeps its generated tokens and
-goes back to the waiting queue, and is later prefilled again over prompt + generated tokens.
+Prefix caching: on admission a sequence takes the longest cached prefix of its tokens (whole
+blocks, at most up to its last token, which it always computes to have logits), so its first
+chunk starts there and its KV budget counts only the uncached tokens. A prefill chunk's full
+blocks enter the cache as soon as it has run (so requests arriving meanwhile share them);
+finished and preempted sequences give the rest of their full blocks to the cache (aborted ones do not: their last step may not
+have run). Under ``lpm`` the waiting queue is admitted longest cached prefix first.
+
+Preemption is by recomputation: the victim's blocks are freed (into the prefix cache, so the
+recompute usually hits), it keeps its generated tokens and goes back to the waiting queue, and
+is later prefilled again over prompt + generated tokens.
 Waiting sequences never hold blocks, so a sequence alone in an empty cache always fits (requests
 that could not are rejected by ``add_request``) and the most important running sequence always
 makes progress: no deadlock.
@@ -36,13 +44,14 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from tokenmill.cache import CacheIntegrityError, KVBlockManager, cdiv
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.request import FinishReason, Request, RequestStatus, sequence_id
 from tokenmill.sched.output import ScheduledChunk, SchedulerOutput, SchedulerStats, SeqUpdate
-from tokenmill.sched.policy import get_policy
+from tokenmill.sched.policy import (LPM_MAX_WAITING, get_policy, is_prefix_aware,
+                                    longest_prefix_first)
 from tokenmill.sched.queue import RequestQueue
 
 Sampled = Mapping[str, int | Sequence[int]]
@@ -63,10 +72,13 @@ class _StepBatch:
         request.num_computed_tokens += num_tokens
         self.tokens_left -= num_tokens
 
-    def drop(self, request: Request) -> None:
+    def drop(self, request: Request) -> int:
+        """Take the request's chunk out; returns its number of tokens (0 when it had none)."""
         entry = self.chunks.pop(request.request_id, None)
-        if entry is not None:
-            self.tokens_left += entry[2]
+        if entry is None:
+            return 0
+        self.tokens_left += entry[2]
+        return entry[2]
 
 
 class Scheduler:
@@ -88,6 +100,9 @@ class Scheduler:
         key = get_policy(scheduler_config.policy)
         self.waiting = RequestQueue(key)  # holds no blocks, ever
         self.running = RequestQueue(key)
+        self._prefix_aware = is_prefix_aware(scheduler_config.policy)
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # tokens found
         self._pending_forks: dict[str, list[Request]] = {}  # leader id -> siblings awaiting fork
         self._live: dict[str, Request] = {}  # sequence id -> unfinished sequence
         self._groups: dict[str, list[Request]] = {}  # caller's request id -> its sequences
@@ -157,7 +172,13 @@ class Scheduler:
             num_preemptions=self.num_preemptions, kv_cache_usage=self.block_manager.usage,
             num_free_blocks=self.block_manager.num_free_blocks, num_steps=self._num_steps,
             last_num_batched_tokens=self._last_step[0], last_num_scheduled=self._last_step[1],
-            overhead_seconds_total=self._overhead_s)
+            overhead_seconds_total=self._overhead_s,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits)
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix no sequence uses; returns the number of blocks dropped."""
+        return self.block_manager.flush_prefix_cache()
 
     # ----- one step ------------------------------------------------------------------------
 
@@ -192,6 +213,9 @@ class Scheduler:
             raise ValueError("update_from_output() takes the latest schedule() output, once")
         self._unapplied = None
         start = time.perf_counter()
+        for chunk in output.scheduled:  # prefill KV just written: share it with newcomers now
+            if chunk.num_tokens > 1 and chunk.request.status is RequestStatus.RUNNING:
+                self.block_manager.cache_computed(chunk.request)
         updates = [self._append_tokens(chunk.request, _sampled_for(chunk, sampled))
                    for chunk in output.scheduled
                    if chunk.sample and chunk.request.status is RequestStatus.RUNNING]
@@ -222,25 +246,46 @@ class Scheduler:
         batch.add(request, num_new)
 
     def _admit_waiting(self, batch: _StepBatch) -> None:
-        while (self.waiting and batch.tokens_left > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting.first()
-            num_new = min(_remaining(request), batch.tokens_left)
-            # The watermark keeps room for running sequences to grow; with none running there
-            # is nobody to keep room for, and insisting could starve a very long request.
-            if not self.block_manager.can_allocate(request, num_new, watermark=bool(self.running)):
+        for request in self._admission_order():
+            if batch.tokens_left == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if not self._admit(request, batch):
                 return  # head-of-line: a less important request must not overtake it
-            self.waiting.pop_first()
-            self.block_manager.allocate_slots(request, num_new)
-            request.status = RequestStatus.RUNNING
-            self.running.push(request)
-            batch.add(request, num_new)
+
+    def _admission_order(self) -> Iterator[Request]:
+        if self._prefix_aware and len(self.waiting) <= LPM_MAX_WAITING:
+            yield from longest_prefix_first(self.waiting, self.block_manager.cached_prefix_len)
+            return
+        while self.waiting:  # each admitted request leaves the queue; a refusal stops the loop
+            yield self.waiting.first()
+
+    def _admit(self, request: Request, batch: _StepBatch) -> bool:
+        manager = self.block_manager
+        cached = manager.acquire_cached_prefix(request)
+        request.num_computed_tokens = cached
+        num_new = min(_remaining(request), batch.tokens_left)
+        # The watermark keeps room for running sequences to grow; with none running there
+        # is nobody to keep room for, and insisting could starve a very long request.
+        if not (manager.can_allocate(request, num_new, watermark=bool(self.running))
+                and manager.allocate_slots(request, num_new)):
+            manager.free(request)  # gives the cached prefix back
+            request.num_computed_tokens = 0
+            return False
+        self.waiting.remove(request)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = cached
+        request.status = RequestStatus.RUNNING
+        self.running.push(request)
+        batch.add(request, num_new)
+        return True
 
     def _preempt(self, request: Request, batch: _StepBatch) -> None:
         self.running.remove(request)
-        batch.drop(request)
+        unscheduled = batch.drop(request)  # its chunk of this step will not run
         batch.preempted_ids.append(request.request_id)
-        self.block_manager.free(request)
+        self.block_manager.free(request, request.num_computed_tokens - unscheduled)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -314,7 +359,9 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus,
                 stop_reason: int | str | None = None) -> None:
         self._detach(request)
-        self.block_manager.free(request)
+        # An aborted sequence's last scheduled step may never have run: cache none of its KV.
+        cacheable = 0 if status is RequestStatus.FINISHED_ABORTED else request.num_computed_tokens
+        self.block_manager.free(request, cacheable)
         request.status = status
         request.stop_reason = stop_reason
         self._finished_ids.append(request.request_id)
@@ -416,4 +463,5 @@ def _make_block_manager(cache_config: CacheConfig, num_blocks: int | None) -> KV
     if num_blocks is None:
         raise ValueError("the number of KV blocks is unknown: pass num_blocks (the runner "
                          "derives it from free memory) or set CacheConfig.num_blocks")
-    return KVBlockManager(num_blocks, cache_config.block_size, cache_config.watermark)
+    return KVBlockManager(num_blocks, cache_config.block_size, cache_config.watermark,
+                          cache_config.enable_prefix_caching)

@@ -110,6 +110,17 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
                            f"[0, {serving.vocab_size})", param="tokens", code="invalid_value")
         return {"prompt": serving.tokenizer.decode(req.tokens)}
 
+    @app.post("/flush_cache")
+    async def flush_cache():
+        if engine.num_active:
+            raise APIError(400, "cannot flush the prefix cache while requests are running",
+                           code="requests_running")
+        try:
+            blocks = await engine.flush_prefix_cache()
+        except RuntimeError as e:  # a request arrived in between
+            raise APIError(400, str(e), code="requests_running") from None
+        return {"flushed_blocks": blocks}
+
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -49,6 +49,10 @@ class ServerMetrics:
         self.success = counter("request_success", "Finished requests.",
                                ["model_name", "finished_reason"])
         self.rejections = counter("admission_rejections", "Requests rejected as overload (503).")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits",
+                                   "Prompt tokens whose KV came from the prefix cache.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
                               _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.",
@@ -62,7 +66,8 @@ class ServerMetrics:
                                  _TOKEN_BUCKETS)
         self.iteration = histogram("iteration_tokens_total", "Tokens per engine step.",
                                    _TOKEN_BUCKETS)
-        for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.rejections):
+        for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.rejections,
+                  self.prefix_queries, self.prefix_hits):
             c.labels(model_name)  # export zeros from the start
 
     def attach(self, engine: AsyncEngine) -> None:
@@ -88,6 +93,9 @@ class ServerMetrics:
         self.success.labels(m, reason.value if reason else "abort").inc()
         self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
         self.req_prompt.labels(m).observe(len(output.prompt_token_ids))
+        if t.scheduled is not None:  # looked up in the cache when it was first admitted
+            self.prefix_queries.labels(m).inc(len(output.prompt_token_ids))
+            self.prefix_hits.labels(m).inc(output.num_cached_tokens)
         self.req_gen.labels(m).observe(t.num_tokens)
         if t.first_token is not None:
             self.ttft.labels(m).observe(t.first_token - t.arrival)

@@ -39,6 +39,7 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     priority: int = 0
     user: str | None = None
+    cache_salt: str | None = None  # prefix-cache namespace (per tenant): no sharing across salts
 
 
 class CompletionRequest(_SamplingFields):

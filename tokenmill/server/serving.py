@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -64,7 +64,8 @@ class OpenAIServing:
         logprobs = req.logprobs
         params = self._params(req, req.max_tokens, logprobs, prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._add_all(rid, [p.ids for p in prompts], params, req.priority)
+        streams = await self._add_all(rid, [p.ids for p in prompts], params, req.priority,
+                                      req.cache_salt)
         out = _CompletionFormat(self, rid, req, prompts)
         if req.stream:
             return _sse(out.chunks(_merge(streams)), streams)
@@ -115,7 +116,7 @@ class OpenAIServing:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = self._params(req, max_tokens, logprobs, [prompt], param)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._add_all(rid, [prompt.ids], params, req.priority)
+        streams = await self._add_all(rid, [prompt.ids], params, req.priority, req.cache_salt)
         out = _ChatFormat(self, rid, req)
         if req.stream:
             return _sse(out.chunks(_merge(streams)), streams)
@@ -157,12 +158,13 @@ class OpenAIServing:
                            else None, code="invalid_value") from None
 
     async def _add_all(self, rid: str, prompts: list[list[int]], params: SamplingParams,
-                       priority: int) -> list[RequestStream]:
+                       priority: int, cache_salt: str | None = None) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
                 request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                streams.append(await self.engine.add_request(request_id, ids, params, priority))
+                streams.append(await self.engine.add_request(request_id, ids, params, priority,
+                                                             cache_salt))
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -307,9 +309,14 @@ def _sse(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> Streaming
 
 # ----- response shapes -------------------------------------------------------------------------
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(outputs: Iterable[RequestOutput]) -> dict[str, Any]:
+    """OpenAI usage over a request's outputs; ``cached_tokens`` came from the prefix cache."""
+    outputs = list(outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
 
 
 class _ChoiceCursor:
@@ -384,7 +391,7 @@ class _CompletionFormat:
             if choices:
                 yield self._chunk(choices, include_usage)
         if include_usage:
-            yield {**self._chunk([], False), "usage": self._total_usage(finals.values())}
+            yield {**self._chunk([], False), "usage": _usage(finals.values())}
 
     def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
         chunk = {"id": self.rid, "object": "text_completion", "created": self.created,
@@ -392,11 +399,6 @@ class _CompletionFormat:
         if include_usage:
             chunk["usage"] = None
         return chunk
-
-    def _total_usage(self, finals) -> dict:
-        finals = list(finals)
-        return _usage(sum(len(o.prompt_token_ids) for o in finals),
-                      sum(len(c.token_ids) for o in finals for c in o.outputs))
 
     def response(self, finals: list[RequestOutput]) -> dict:
         n = self.req.n
@@ -406,7 +408,7 @@ class _CompletionFormat:
                 choices.append(self._choice_delta(pi * n + c.index, pi, c, _ChoiceCursor()))
         return {"id": self.rid, "object": "text_completion", "created": self.created,
                 "model": self.s.model_name, "choices": choices,
-                "usage": self._total_usage(finals)}
+                "usage": _usage(finals)}
 
 
 class _ChatFormat:
@@ -443,8 +445,7 @@ class _ChatFormat:
             if choices:
                 yield self._chunk(choices, include_usage)
         if include_usage and final is not None:
-            yield {**self._chunk([], False), "usage": _usage(
-                len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))}
+            yield {**self._chunk([], False), "usage": _usage([final])}
 
     def _delta(self, c, cursor: _ChoiceCursor) -> dict | None:
         text = c.text[cursor.text:]
@@ -472,5 +473,4 @@ class _ChatFormat:
                    for c in out.outputs]
         return {"id": self.rid, "object": "chat.completion", "created": self.created,
                 "model": self.s.model_name, "choices": choices,
-                "usage": _usage(len(out.prompt_token_ids),
-                                sum(len(c.token_ids) for c in out.outputs))}
+                "usage": _usage([out])}

@@ -1,0 +1,318 @@
+"""Automatic prefix caching: a radix tree over token ids whose nodes hold full KV blocks.
+
+    root("")                       one root per cache_salt: different salts never share
+     +- [sys prompt: 4 blocks]     node key = token ids of whole blocks, value = their block ids
+         +- [user A: 2 blocks]     a request matching sys + A takes 6 blocks by reference
+         +- [user B: 1 block]      inserting sys + B split nothing; inserting half of sys
+                                   would split the first node in two
+
+Ownership: the tree holds one pool reference on every block it stores; a request that uses a
+cached block holds one more (its block table), and locks the node path it matched so that the
+tree never evicts what is in use. Unlocked leaves are evicted least-recently-used, and only when
+the pool runs out of free blocks (the ``KVBlockManager`` asks).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenmill.cache.block_pool import BlockPool, CacheIntegrityError
+
+Salt = str | None
+
+
+@dataclass(eq=False)
+class _Node:
+    key: tuple[int, ...]  # token ids of whole blocks (len == len(blocks) * block_size)
+    blocks: list[int]
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)  # by first block
+    lock_ref: int = 0  # locks on this node or any descendant
+    last_access: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixHandle:
+    """A matched prefix: ``blocks`` hold the KV of the first ``num_tokens`` tokens. The blocks
+    are only safe to use while the handle is locked (or the caller holds its own references)."""
+
+    num_tokens: int = 0
+    blocks: tuple[int, ...] = ()
+    node: _Node | None = field(default=None, repr=False)
+
+
+EMPTY_HANDLE = PrefixHandle()
+
+
+class PrefixCache(ABC):
+    """Maps token-id prefixes (whole blocks, per salt) to KV blocks.
+
+    Invariants: a cached block is referenced by the tree exactly once; a locked node is never
+    evicted, and neither is any ancestor of it; lock counts never go negative; evicting only
+    ever drops the tree's own reference.
+    """
+
+    @abstractmethod
+    def match(self, token_ids: Sequence[int], salt: Salt = None) -> PrefixHandle:
+        """The longest cached prefix of ``token_ids`` (whole blocks). Takes no reference: lock
+        the handle before another allocation could evict its blocks."""
+
+    @abstractmethod
+    def lock(self, handle: PrefixHandle) -> None:
+        """Protect the handle's blocks from eviction and mark them recently used."""
+
+    @abstractmethod
+    def unlock(self, handle: PrefixHandle) -> None:
+        """Undo one ``lock``; the blocks become evictable when no lock is left."""
+
+    @abstractmethod
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: Salt = None) -> int:
+        """Cache the full blocks ``blocks`` holding ``token_ids`` (whole blocks). Prefixes already
+        cached keep their blocks (the caller's duplicates stay the caller's to free); new blocks
+        get one tree reference. Returns the number of blocks adopted."""
+
+    @abstractmethod
+    def evict(self, num_blocks: int) -> int:
+        """Evict unlocked leaves, least recently used first, until ``num_blocks`` blocks went
+        back to the free queue or nothing is evictable. Returns the blocks freed."""
+
+    @property
+    @abstractmethod
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks on unlocked nodes (what ``evict`` could free at most)."""
+
+    @property
+    @abstractmethod
+    def num_cached_blocks(self) -> int:
+        ...
+
+    @abstractmethod
+    def references(self) -> Counter[int]:
+        """Pool references the cache holds, per block, after checking the tree's own invariants
+        (raises ``CacheIntegrityError``). For ``check_integrity``; O(nodes)."""
+
+    def flush(self) -> int:
+        """Drop every unlocked entry; returns the number of blocks dropped."""
+        return self.evict(self.num_evictable_blocks)
+
+
+class NullPrefixCache(PrefixCache):
+    """Caches nothing: what ``enable_prefix_caching=False`` (``--no-prefix-cache``) selects."""
+
+    def match(self, token_ids: Sequence[int], salt: Salt = None) -> PrefixHandle:
+        return EMPTY_HANDLE
+
+    def lock(self, handle: PrefixHandle) -> None:
+        pass
+
+    def unlock(self, handle: PrefixHandle) -> None:
+        pass
+
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: Salt = None) -> int:
+        return 0
+
+    def evict(self, num_blocks: int) -> int:
+        return 0
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return 0
+
+    def references(self) -> Counter[int]:
+        return Counter()
+
+
+class RadixPrefixCache(PrefixCache):
+    """The radix tree. Matching and inserting cost O(prompt length); eviction O(nodes log n)."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self._roots: dict[Salt, _Node] = {}
+        self._clock = itertools.count(1)
+        self._num_cached = 0
+        self._num_evictable = 0
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self._num_evictable
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._num_cached
+
+    # ----- lookup -----------------------------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int], salt: Salt = None) -> PrefixHandle:
+        node, num_blocks, blocks = self._roots.get(salt), 0, []
+        if node is None:
+            return EMPTY_HANDLE
+        tokens = tuple(token_ids[:len(token_ids) // self.block_size * self.block_size])
+        while num_blocks * self.block_size < len(tokens):
+            child = node.children.get(self._block(tokens, num_blocks))
+            if child is None:
+                break
+            same = self._common_blocks(child.key, tokens, num_blocks * self.block_size)
+            if same < len(child.blocks):
+                child = self._split(child, same)  # the handle must end on a node boundary
+            node = child
+            blocks += child.blocks
+            num_blocks += same
+        if not blocks:
+            return EMPTY_HANDLE
+        return PrefixHandle(len(blocks) * self.block_size, tuple(blocks), node)
+
+    def lock(self, handle: PrefixHandle) -> None:
+        now = next(self._clock)
+        for node in self._path(handle.node):
+            if node.lock_ref == 0:
+                self._num_evictable -= len(node.blocks)
+            node.lock_ref += 1
+            node.last_access = now
+
+    def unlock(self, handle: PrefixHandle) -> None:
+        for node in self._path(handle.node):
+            if node.lock_ref <= 0:
+                raise CacheIntegrityError(f"unlock of an unlocked prefix node {node.blocks}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._num_evictable += len(node.blocks)
+
+    # ----- insert -----------------------------------------------------------------------------
+
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: Salt = None) -> int:
+        tokens = tuple(token_ids)
+        if len(tokens) != len(blocks) * self.block_size:
+            raise ValueError(f"{len(tokens)} tokens are not {len(blocks)} whole blocks")
+        if not blocks:
+            return 0
+        node = self._roots.setdefault(salt, _Node((), [], None))
+        done, now = 0, next(self._clock)
+        while done < len(blocks):
+            child = node.children.get(self._block(tokens, done))
+            if child is None:
+                self._add_leaf(node, tokens[done * self.block_size:], list(blocks[done:]), now)
+                return len(blocks) - done
+            same = self._common_blocks(child.key, tokens, done * self.block_size)
+            if same < len(child.blocks):
+                child = self._split(child, same)
+            child.last_access = now
+            node, done = child, done + same
+        return 0
+
+    def _add_leaf(self, parent: _Node, key: tuple[int, ...], blocks: list[int], now: int) -> None:
+        for block_id in blocks:
+            self.pool.incref(block_id)
+        leaf = _Node(key, blocks, parent, last_access=now)
+        parent.children[key[:self.block_size]] = leaf
+        self._num_cached += len(blocks)
+        self._num_evictable += len(blocks)
+
+    def _split(self, node: _Node, num_blocks: int) -> _Node:
+        """Cut ``node`` after ``num_blocks`` blocks; the new upper part is returned. The lower
+        part keeps its identity, so handles that point at it stay valid."""
+        cut = num_blocks * self.block_size
+        upper = _Node(node.key[:cut], node.blocks[:num_blocks], node.parent,
+                      lock_ref=node.lock_ref, last_access=node.last_access)
+        node.parent.children[upper.key[:self.block_size]] = upper
+        node.key, node.blocks, node.parent = node.key[cut:], node.blocks[num_blocks:], upper
+        upper.children[node.key[:self.block_size]] = node
+        return upper
+
+    # ----- eviction ---------------------------------------------------------------------------
+
+    def evict(self, num_blocks: int) -> int:
+        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if not leaf.lock_ref]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_blocks and heap:
+            _, _, leaf = heapq.heappop(heap)
+            freed += self._drop(leaf)
+            parent = leaf.parent
+            if parent.parent is not None and not parent.children and not parent.lock_ref:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _drop(self, leaf: _Node) -> int:
+        del leaf.parent.children[leaf.key[:self.block_size]]
+        freed = 0
+        for block_id in reversed(leaf.blocks):
+            freed += self.pool.ref_count(block_id) == 1  # else a request still holds it
+            self.pool.free(block_id)
+        self._num_cached -= len(leaf.blocks)
+        self._num_evictable -= len(leaf.blocks)
+        return freed
+
+    def _leaves(self) -> list[_Node]:
+        return [n for n in self._nodes() if not n.children and n.parent is not None]
+
+    # ----- helpers ----------------------------------------------------------------------------
+
+    def _nodes(self) -> list[_Node]:
+        stack, nodes = list(self._roots.values()), []
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    @staticmethod
+    def _path(node: _Node | None) -> list[_Node]:
+        """``node`` and its ancestors, roots excluded."""
+        path = []
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        return path
+
+    def _block(self, tokens: tuple[int, ...], index: int) -> tuple[int, ...]:
+        return tokens[index * self.block_size:(index + 1) * self.block_size]
+
+    def _common_blocks(self, key: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
+        """Whole blocks ``key`` shares with ``tokens[start:]`` (the first one is known equal)."""
+        bs, n = self.block_size, 1
+        while (n * bs < len(key) and start + (n + 1) * bs <= len(tokens)
+               and key[n * bs:(n + 1) * bs] == tokens[start + n * bs:start + (n + 1) * bs]):
+            n += 1
+        return n
+
+    def references(self) -> Counter[int]:
+        held: Counter[int] = Counter()
+        evictable = 0
+        for node in self._nodes():
+            if node.parent is None:
+                _check(not node.blocks and node.lock_ref == 0, "a root holds blocks or locks")
+            else:
+                self._check_node(node)
+                evictable += 0 if node.lock_ref else len(node.blocks)
+            held.update(node.blocks)
+        _check(all(c == 1 for c in held.values()), "a block is cached twice")
+        _check(sum(held.values()) == self._num_cached, "cached block count is off")
+        _check(evictable == self._num_evictable, "evictable block count is off")
+        return held
+
+    def _check_node(self, node: _Node) -> None:
+        _check(bool(node.blocks) and len(node.key) == len(node.blocks) * self.block_size,
+               f"node key of {len(node.key)} tokens for {len(node.blocks)} blocks")
+        _check(node.parent.children.get(node.key[:self.block_size]) is node, "orphan node")
+        _check(node.lock_ref >= 0, f"negative lock count {node.lock_ref}")
+        _check(node.lock_ref >= sum(c.lock_ref for c in node.children.values()),
+               "a node has fewer locks than its children")
+
+
+def make_prefix_cache(enabled: bool, pool: BlockPool, block_size: int) -> PrefixCache:
+    return RadixPrefixCache(pool, block_size) if enabled else NullPrefixCache()
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise CacheIntegrityError(message)
