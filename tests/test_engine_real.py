@@ -85,8 +85,8 @@ def test_eos_and_stop_token_ids(llm):
     chat = llm.chat([{"role": "user", "content": "Say hi."}],
                     SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)[0].outputs[0]
     assert chat.finish_reason == "stop" and chat.token_ids[-1] in llm.engine.eos_token_ids
-    first = alone_token = llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    stop_tok = first[4]
+    alone_token = llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_tok = alone_token[4]
     out = llm.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=20,
                                                   stop_token_ids=[stop_tok]),
                        use_tqdm=False)[0].outputs[0]

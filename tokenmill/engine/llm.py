@@ -73,9 +73,7 @@ class LLM:
 
     def chat_prompt_ids(self, conversation: Sequence[Message], add_generation_prompt: bool = True,
                         **kwargs: Any) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, **kwargs)
-        # The template already holds any BOS it wants; don't add a second one.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(conversation, add_generation_prompt, **kwargs)
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         from tqdm.auto import tqdm

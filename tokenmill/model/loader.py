@@ -31,16 +31,6 @@ class LoadedModel:
     source: ModelSource
 
 
-def read_model_config(source: ModelSource) -> ModelConfig:
-    if source.kind == "gguf":
-        from tokenmill.model.gguf_file import gguf_model_config, open_gguf
-
-        return gguf_model_config(open_gguf(source.path), source.path)
-    from tokenmill.model.hf_files import hf_model_config
-
-    return hf_model_config(source.path)
-
-
 def load_model(model: str, device: str = "cpu", dtype: str = "float32",
                attention_backend: str = "torch") -> LoadedModel:
     """Load ``model`` (a path or known name) onto ``device`` with weights in ``dtype``."""

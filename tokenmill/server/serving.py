@@ -127,12 +127,10 @@ class OpenAIServing:
                     kwargs: dict[str, Any] | None = None) -> _Prompt:
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt,
-                                                      **(kwargs or {}))
+            ids = self.tokenizer.encode_chat(conversation, add_generation_prompt, **(kwargs or {}))
         except (ChatTemplateError, TypeError, ValueError) as e:
             raise APIError(400, f"the chat template failed: {e}", param="messages",
                            code="invalid_value") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self._prompt(ids, "messages")
 
     # ----- shared -----------------------------------------------------------------------------
@@ -394,11 +392,7 @@ class _CompletionFormat:
             yield {**self._chunk([], False), "usage": _usage(finals.values())}
 
     def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
-        chunk = {"id": self.rid, "object": "text_completion", "created": self.created,
-                 "model": self.s.model_name, "choices": choices}
-        if include_usage:
-            chunk["usage"] = None
-        return chunk
+        return _stream_chunk(self, "text_completion", choices, include_usage)
 
     def response(self, finals: list[RequestOutput]) -> dict:
         n = self.req.n
@@ -409,6 +403,16 @@ class _CompletionFormat:
         return {"id": self.rid, "object": "text_completion", "created": self.created,
                 "model": self.s.model_name, "choices": choices,
                 "usage": _usage(finals)}
+
+
+def _stream_chunk(fmt: _CompletionFormat | _ChatFormat, obj: str, choices: list[dict],
+                  include_usage: bool) -> dict:
+    """One SSE chunk; with include_usage every chunk but the last carries ``usage: null``."""
+    chunk = {"id": fmt.rid, "object": obj, "created": fmt.created, "model": fmt.s.model_name,
+             "choices": choices}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
 
 
 class _ChatFormat:
@@ -459,11 +463,7 @@ class _ChatFormat:
                 "logprobs": self._logprobs(entries), "finish_reason": finish}
 
     def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
-        chunk = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.s.model_name, "choices": choices}
-        if include_usage:
-            chunk["usage"] = None
-        return chunk
+        return _stream_chunk(self, "chat.completion.chunk", choices, include_usage)
 
     def response(self, out: RequestOutput) -> dict:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},

@@ -135,6 +135,13 @@ class Tokenizer:
         return render_chat(source, messages, add_generation_prompt=add_generation_prompt,
                            tools=tools, variables=variables)
 
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of a rendered conversation. The template already holds any BOS it wants,
+        so no special tokens are added on top."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
     def _special_token_variables(self) -> dict[str, str]:
         named = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                  "unk_token": self.unk_token, "pad_token": self.pad_token}
