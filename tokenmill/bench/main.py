@@ -98,10 +98,9 @@ async def run_once(args: argparse.Namespace, reqs: list[wl.BenchRequest], tok,
                     args.ignore_eos, args.seed, args.api_key, temperature=args.temperature)
     client = BenchClient(cfg, lambda text: len(tok.encode(text, add_special_tokens=False)))
     try:
-        if args.warmup:
-            warm = [wl.BenchRequest(prompt=r.prompt or r.turns[0], output_len=8)
-                    for r in reqs[:args.warmup]]
-            await client.run(warm)
+        if args.warmup:  # prompts of their own, so no server's prefix cache is primed by them
+            await client.run(wl.random_workload(tok, args.warmup, 32, 8, seed=args.seed + 7919,
+                                                vocab=tok.vocab_size))
         with tqdm(total=len(reqs), desc="requests", disable=args.no_progress) as bar:
             results, duration = await client.run(reqs, lambda: bar.update(1))
     finally:

