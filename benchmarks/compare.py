@@ -46,6 +46,10 @@ SHARED = dict(workload="shared-prefix", num_groups=4, prompts_per_group=16, syst
 # (name, workload settings, concurrency); the slow single-stream point last
 POINTS = [("random c=8", RANDOM, 8), ("random c=32", RANDOM, 32),
           ("shared-prefix c=32", SHARED, 32), ("random c=1", RANDOM, 1)]
+# The one-request-at-a-time baseline cannot gain throughput from concurrency; at c=32 it only
+# queues (each point costs it ~12 minutes on 2 cores), so by default it runs these points only.
+ONE_AT_A_TIME = {"hf"}
+BASELINE_POINTS = {"random c=1", "random c=8"}
 QUICK = [("random c=4 (quick)", dict(RANDOM, num_prompts=8, output_len=16), 4),
          ("shared-prefix c=4 (quick)", dict(SHARED, num_groups=2, prompts_per_group=4,
                                            system_len=256, output_len=16), 4)]
@@ -147,6 +151,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="two tiny points, to try the set-up")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--full-baseline", action="store_true",
+                    help="run the one-at-a-time baseline (hf) at every point, not just c=1, c=8")
     args = ap.parse_args()
     root = args.root.expanduser().resolve()
     names = []
@@ -165,6 +171,7 @@ def main() -> int:
     tok = bench._tokenizer(bench_args({}, "", 0))
 
     servers: dict[str, peer_mod.Running] = {}
+    peer_mod.stop_on_sigterm()
     try:
         for i, name in enumerate(names):
             t0 = time.perf_counter()
@@ -176,6 +183,9 @@ def main() -> int:
             reqs = None
             for name, srv in servers.items():
                 if name in data["runs"].get(point, {}):
+                    continue
+                if (name in ONE_AT_A_TIME and not args.full_baseline and not args.quick
+                        and point not in BASELINE_POINTS):
                     continue
                 a = bench_args(settings, srv.url, seed)
                 reqs = reqs or bench.build_workload(a, tok)

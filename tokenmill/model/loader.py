@@ -11,6 +11,7 @@ from torch import nn
 from tokenmill.attention import AttentionBackend, get_backend
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.layers import pack_linear_weights
 from tokenmill.model.registry import model_class
 from tokenmill.model_source import ModelSource, resolve_model
 
@@ -48,6 +49,7 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
         weights = hf_weights(source.path)
     module = build_model(cfg, device, get_backend(attention_backend))
     load_weights(module, weights, str(source.path))
+    pack_linear_weights(module)
     return LoadedModel(module, cfg, source)
 
 
