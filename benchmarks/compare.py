@@ -14,6 +14,8 @@ warm-up requests have prompts of their own.
 Points (``tokenmill bench serve`` settings, ignore_eos, temperature 0, streamed):
 random 128 in / 128 out, 64 prompts, concurrency 8, 32 and 1; shared-prefix, 4 groups of 16
 requests with a 1,024-token system prompt and a 64-token question, 64 out, concurrency 32.
+The one-request-at-a-time baseline (``hf``) runs only random c=1 and c=8 unless
+``--full-baseline``: more concurrency cannot raise its throughput, only its queueing time.
 
 Writes to ``--out`` (default ``benchmarks/results/``) after every run: ``compare.json``
 (every summary plus machine and version facts), ``compare.md`` (the table) and

@@ -106,3 +106,19 @@ def test_mixed_batch_equals_each_request_alone(pair):
     for row, s in enumerate(seqs):
         alone = hf_logits(hf, s)[-1]
         assert (out[row] - alone).abs().max().item() <= TOL, f"request {row} differs"
+
+
+def test_cpu_linear_layers_packed(pair, device):
+    """On a CPU in fp32 every projection runs oneDNN on a prepacked weight (the tests above
+    check its logits); a weight no other module shares is not kept twice, a tied one is."""
+    if device != "cpu" or not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN packing applies to fp32 on a CPU")
+    from tokenmill.model.layers import Linear
+
+    module = pair[1].runner.model
+    embed = module.model.embed_tokens.weight
+    for name, layer in module.named_modules():
+        if isinstance(layer, Linear):
+            assert layer.packed is not None and layer.packed.is_mkldnn, name
+            if layer.weight is not None:  # only the lm_head tied to the embedding keeps it
+                assert name == "lm_head" and layer.weight is embed

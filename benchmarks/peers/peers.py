@@ -280,6 +280,12 @@ def start(name: str, root: Path, port: int, log_dir: Path, timeout: float = 900)
     raise RuntimeError(f"{name} did not start on port {port}; log tail:\n{tail}")
 
 
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so ``finally`` blocks stop the servers this process started
+    (they run in sessions of their own and would outlive it)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("action", choices=["install", "serve", "list"])
@@ -306,9 +312,12 @@ def main() -> int:
     srv = start(names[0], root, args.port, root / "logs")
     print(f"{names[0]} serving {SERVED_NAME} at {srv.url} (log: {srv.log}); Ctrl-C stops it",
           flush=True)
+    stop_on_sigterm()
     try:
         srv.proc.wait()
     except KeyboardInterrupt:
+        pass
+    finally:
         srv.stop()
     return 0
 

@@ -1,0 +1,64 @@
+"""The CPU matmul question behind ``Linear.pack_for_cpu``: time the projections of one decode
+step of a model shape with ``F.linear`` (MKL) and with oneDNN on prepacked weights.
+
+    python3 benchmarks/linear_kernels.py                    # SmolLM2-135M shapes, 1/8/32 rows
+
+Random fp32 weights of the model's shapes (fused qkv, o, fused gate/up, down per layer, then
+lm_head); prints milliseconds per step for each number of input rows (= sequences in a step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def step_ms(fn, weights, rows: int, reps: int) -> float:
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    fn(xs)  # warm-up
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn(xs)
+    return (time.perf_counter() - start) / reps * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    h, hd = args.hidden, args.hidden // args.heads
+    shapes = [(h + 2 * args.kv_heads * hd, h), (h, h), (2 * args.intermediate, h),
+              (h, args.intermediate)]
+    torch.manual_seed(0)
+    dense = [torch.randn(n, k) for _ in range(args.layers) for n, k in shapes]
+    dense.append(torch.randn(args.vocab, h))
+    packed = [w.to_mkldnn() for w in dense]
+
+    def run_dense(xs):
+        for w in dense:
+            F.linear(xs[w.shape[1]], w)
+
+    def run_onednn(xs):
+        for w in packed:
+            torch.ops.mkldnn._linear_pointwise(xs[w.size(1)], w, None, "none", [], "")
+
+    print(f"{len(dense)} projections, {sum(w.numel() for w in dense) * 4 / 1e6:.0f} MB fp32, "
+          f"{torch.get_num_threads()} threads")
+    print("rows  F.linear (ms)  oneDNN prepacked (ms)")
+    for rows in (int(r) for r in args.rows.split(",")):
+        print(f"{rows:4}  {step_ms(run_dense, dense, rows, args.reps):13.1f}  "
+              f"{step_ms(run_onednn, dense, rows, args.reps):21.1f}")
+
+
+if __name__ == "__main__":
+    main()
