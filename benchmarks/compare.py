@@ -117,8 +117,9 @@ def markdown(data: dict) -> str:
              "| workload | engine | done/failed | output tok/s | req/s | TTFT median | TTFT p99 "
              "| TPOT median | ITL p99 | E2E median | idle engines' CPU |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    order = {name: i for i, name in enumerate(peer_mod.PEERS)}
     for point, runs in data["runs"].items():
-        for name, s in runs.items():
+        for name, s in sorted(runs.items(), key=lambda kv: order.get(kv[0], len(order))):
             lines.append(
                 f"| {point} | {name} | {s['completed']}/{s['failed']} | "
                 f"{s['output_throughput']:.1f} | {s['request_throughput']:.3f} | "
@@ -153,10 +154,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="two tiny points, to try the set-up")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite compare.md and the plot from compare.json; run nothing")
     ap.add_argument("--full-baseline", action="store_true",
                     help="run the one-at-a-time baseline (hf) at every point, not just c=1, c=8")
     args = ap.parse_args()
     root = args.root.expanduser().resolve()
+    if args.report_only:
+        write(json.loads((args.out / "compare.json").read_text()), args.out)
+        return 0
     names = []
     for name in args.peers.split(","):
         if name not in peer_mod.PEERS:

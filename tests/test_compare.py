@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _peers_module():
-    spec = importlib.util.spec_from_file_location("peers", REPO / "benchmarks/peers/peers.py")
+    spec = importlib.util.spec_from_file_location("tokenmill_bench_peers", REPO / "benchmarks/peers/peers.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("tokenmill_bench_peers", mod)  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
