@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 import peers as peer_mod  # noqa: E402  (benchmarks/peers/peers.py)
 
 from tokenmill.bench import main as bench  # noqa: E402
-from tokenmill.bench import workloads as wl  # noqa: E402
 
 RANDOM = dict(workload="random", input_len=128, output_len=128, num_prompts=64)
 SHARED = dict(workload="shared-prefix", num_groups=4, prompts_per_group=16, system_len=1024,
