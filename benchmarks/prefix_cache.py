@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from tokenmill.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.params import SamplingParams
 
 
@@ -34,13 +34,12 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
 def run(args: argparse.Namespace, enable: bool) -> dict[str, float]:
     from tokenmill.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(
-        model=args.model, device=args.device,
-        cache=CacheConfig(num_blocks=args.num_blocks, enable_prefix_caching=enable),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, policy=args.policy))
-    engine = LLMEngine(config)
-    prompts = make_prompts(args, engine.model_config.vocab_size)
+    config = EngineConfig.from_options(
+        args.model, device=args.device, num_blocks=args.num_blocks,
+        enable_prefix_caching=enable, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, policy=args.policy)
+    engine = LLMEngine.from_config(config)
+    prompts = make_prompts(args, engine.info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     start = time.perf_counter()
     added: dict[str, float] = {}
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace, enable: bool) -> dict[str, float]:
     return {"total_s": total, "ttft_p50_s": statistics.median(values),
             "ttft_p99_s": values[min(len(values) - 1, int(0.99 * len(values)))],
             "hit_rate": stats.prefix_cache_hit_rate,
-            "prompt_tokens_computed": engine.stats.num_prompt_tokens_computed}
+            "prompt_tokens_computed": engine.stats().num_prompt_tokens_computed}
 
 
 def main() -> None:

@@ -35,32 +35,33 @@ def main() -> None:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory)
     rng = random.Random(args.seed)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.info.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)]
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 
     engine = llm.engine
-    steps0, sched0 = engine.stats.num_steps, engine.scheduler.stats().overhead_seconds_total
-    step_s0, fwd_s0 = engine.stats.step_seconds, engine.stats.forward_seconds
+    before = engine.stats()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    after = engine.stats()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    step_s = engine.stats.step_seconds - step_s0
-    sched_s = engine.scheduler.stats().overhead_seconds_total - sched0
+    step_s = after.step_seconds - before.step_seconds
     result = {
-        "model": str(engine.loaded.source.path), "device": args.device,
+        "model": engine.info.model, "device": args.device,
         "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "elapsed_s": round(elapsed, 2),
         "output_tokens": out_tokens,
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
         "total_tokens_per_s": round((out_tokens + args.num_prompts * args.input_len) / elapsed, 1),
         "requests_per_s": round(args.num_prompts / elapsed, 3),
-        "steps": engine.stats.num_steps - steps0,
-        "scheduler_share_of_step": round(sched_s / step_s, 4),
-        "forward_share_of_step": round((engine.stats.forward_seconds - fwd_s0) / step_s, 4),
+        "steps": after.num_steps - before.num_steps,
+        "scheduler_share_of_step": round(
+            (after.scheduler_seconds - before.scheduler_seconds) / step_s, 4),
+        "forward_share_of_step": round(
+            (after.forward_seconds - before.forward_seconds) / step_s, 4),
         "preemptions": engine.num_preemptions,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }

@@ -150,3 +150,49 @@ def test_bad_prompts_rejected_cleanly(llm):
     with pytest.raises(ValueError):
         llm.generate([[100] * 9000], GREEDY, use_tqdm=False)  # longer than the context
     assert_all_blocks_free(llm.engine)
+
+
+class KnownDrafts:
+    """Proposes the next ``k`` tokens of known outputs (keyed by prompt ids), spoiled from
+    draft index ``wrong_at`` on: right, wrong, and partly right drafts."""
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]], k: int,
+                 wrong_at: int | None = None):
+        self.outputs = outputs
+        self.k = k
+        self.wrong_at = k if wrong_at is None else wrong_at
+
+    def propose(self, requests):
+        drafts = {}
+        for r in requests:
+            known = self.outputs[tuple(r.prompt_token_ids)]
+            right = known[r.num_output_tokens:r.num_output_tokens + self.k]
+            drafts[r.request_id] = [t if j < self.wrong_at else (t + 1) % 1000
+                                    for j, t in enumerate(right)]
+        return drafts
+
+
+@pytest.mark.parametrize("wrong_at", [None, 0, 2])
+def test_draft_tokens_verified_in_one_forward_keep_greedy_output(llm, alone, wrong_at):
+    engine = llm.engine
+    outputs = {tuple(llm.tokenizer.encode(p)): a.token_ids for p, a in zip(PROMPTS, alone)}
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    before = engine.stats()
+    engine.proposer = KnownDrafts(outputs, k=4, wrong_at=wrong_at)
+    try:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        engine.proposer = None
+    after = engine.stats()
+    assert [o.outputs[0].token_ids for o in outs] == [a.token_ids for a in alone]
+    assert all(len(o.outputs[0].logprobs) == 20 for o in outs)
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    assert drafted > 0
+    if wrong_at is None:  # every draft right: 5 tokens per step
+        assert accepted == drafted and after.num_steps - before.num_steps <= 6
+    elif wrong_at == 0:
+        assert accepted == 0
+    else:
+        assert 0 < accepted < drafted
+    assert_all_blocks_free(engine)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import CacheConfig
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sched import Scheduler
 
 BS = 16
@@ -43,18 +43,16 @@ def test_outputs_identical_with_cache_on_and_off(llm):
     assert [o.num_cached_tokens for o in cached_run] == [16, 16, 32, 48, 48, 48, 64]
     assert_clean(llm)
 
-    # The same engine with a scheduler built for enable_prefix_caching=False (saves a model load).
+    # An engine built from the same runner and a scheduler without prefix caching (one load).
     engine = llm.engine
-    with_cache = engine.scheduler
-    engine.scheduler = Scheduler(engine.scheduler_config,
-                                 replace(engine.config.cache, enable_prefix_caching=False),
-                                 num_blocks=engine.num_blocks, eos_token_ids=engine.eos_token_ids)
-    try:
-        llm.generate([warm, base], GREEDY, use_tqdm=False)
-        plain = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert engine.scheduler.block_manager.prefix_cache.num_cached_blocks == 0
-    finally:
-        engine.scheduler = with_cache
+    scheduler = Scheduler(engine.scheduler.config,
+                          CacheConfig(block_size=BS, enable_prefix_caching=False),
+                          num_blocks=engine.scheduler.block_manager.pool.num_blocks,
+                          eos_token_ids=engine.eos_token_ids)
+    no_cache = LLM(engine=LLMEngine(scheduler, engine.runner, engine.tokenizer, engine.info))
+    no_cache.generate([warm, base], GREEDY, use_tqdm=False)
+    plain = no_cache.generate(prompts, GREEDY, use_tqdm=False)
+    assert scheduler.block_manager.prefix_cache.num_cached_blocks == 0
     assert all(o.num_cached_tokens == 0 for o in plain)
     assert [o.outputs[0].token_ids for o in cached_run] == [o.outputs[0].token_ids for o in plain]
 
@@ -67,11 +65,10 @@ def test_shared_system_prompt_is_computed_once(llm):
     prompts = [system + s for s in suffixes]
     params = SamplingParams(temperature=0.0, max_tokens=1)
     llm.engine.scheduler.flush_prefix_cache()
-    stats = llm.engine.stats
-    before = stats.num_prompt_tokens_computed
+    before = llm.engine.stats().num_prompt_tokens_computed
     first = llm.generate(prompts[0], params, use_tqdm=False)
     rest = llm.generate(prompts[1:], params, use_tqdm=False)
-    computed = stats.num_prompt_tokens_computed - before
+    computed = llm.engine.stats().num_prompt_tokens_computed - before
     assert first[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens == 1024 for o in rest)
     assert computed == 1024 + 32 * 4  # not 32 * 1028

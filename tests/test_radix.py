@@ -4,6 +4,8 @@ isolation, and the block manager's integrity check after every scenario."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenmill.cache import BlockPool, CacheIntegrityError, KVBlockManager
 from tokenmill.cache.radix import NullPrefixCache, RadixPrefixCache
@@ -42,6 +44,22 @@ def check(pool: BlockPool, cache: RadixPrefixCache, *tables: list[int]) -> None:
         assert pool.ref_count(b) == held[b] >= 0, b
 
 
+def paths(cache: RadixPrefixCache) -> set[tuple[int, ...]]:
+    """The path blocks of every tree node."""
+    return {blocks for _, _, blocks in cache.entries()}
+
+
+def eviction_order(cache: RadixPrefixCache) -> list[tuple[int, ...]]:
+    """Evict one block at a time until nothing is left; the path tokens of each dropped node."""
+    order = []
+    while cache.num_evictable_blocks:
+        before = {tokens for _, tokens, _ in cache.entries()}
+        cache.evict(1)
+        (gone,) = before - {tokens for _, tokens, _ in cache.entries()}
+        order.append(gone)
+    return order
+
+
 def test_insert_then_match_longest_prefix_at_block_granularity() -> None:
     pool, cache = cache_with()
     blocks = put(pool, cache, toks(1, 2, 3))
@@ -55,7 +73,7 @@ def test_insert_then_match_longest_prefix_at_block_granularity() -> None:
     check(pool, cache)
 
 
-def test_partial_match_splits_the_node_and_both_branches_live() -> None:
+def test_partial_match_leaves_the_tree_alone_and_lock_splits() -> None:
     pool, cache = cache_with()
     a = put(pool, cache, toks(1, 2, 3, 4))
     b = put(pool, cache, toks(1, 2, 7))  # shares two blocks: split after them
@@ -64,9 +82,18 @@ def test_partial_match_splits_the_node_and_both_branches_live() -> None:
     assert list(cache.match(toks(1, 2, 7)).blocks) == a[:2] + b[2:]
     assert cache.num_cached_blocks == 5  # b's copies of blocks 1, 2 were not adopted
     check(pool, cache)
-    # A match that ends inside a node splits it too, and the old handles still work.
+    # A match that ends inside a node changes nothing; locking it splits the node there.
+    before = cache.entries()
     h = cache.match(toks(1))
-    assert list(h.blocks) == a[:1]
+    assert list(h.blocks) == a[:1] and cache.entries() == before
+    cache.lock(h)
+    assert paths(cache) == {tuple(a[:1]), tuple(a[:2]), tuple(a), tuple(a[:2] + b[2:])}
+    assert cache.num_evictable_blocks == 4
+    check(pool, cache)
+    with pytest.raises(CacheIntegrityError):
+        cache.unlock(cache.match(toks(1, 2, 3)))  # never locked: ends inside a node
+    cache.unlock(h)
+    assert cache.num_evictable_blocks == 5
     check(pool, cache)
 
 
@@ -150,6 +177,234 @@ def test_null_cache_caches_nothing() -> None:
     assert cache.evict(5) == 0 and cache.flush() == 0 and not cache.references()
     pool.free(b)
     pool.check_integrity()
+
+
+def test_match_has_no_side_effects() -> None:
+    pool, cache = cache_with()
+    put(pool, cache, toks(1, 2, 3, 4))
+    put(pool, cache, toks(1, 2, 7))
+    put(pool, cache, toks(1, 2, 3), salt="s")
+    put(pool, cache, toks(5))
+    before = (cache.entries(), cache.references(), cache.num_evictable_blocks)
+    prompts = [toks(1), toks(1, 2, 3), toks(1, 2, 3, 4, 5), toks(1, 9), toks(1, 2) + [3],
+               toks(1, 2, 7, 7), toks(5, 5), toks(6), []]
+    for prompt in prompts:
+        for salt in (None, "s", "other"):
+            cache.match(prompt, salt)
+    assert (cache.entries(), cache.references(), cache.num_evictable_blocks) == before
+    # Nor does a match count as a use: the oldest leaf still goes first.
+    assert eviction_order(cache)[0] == tuple(toks(1, 2, 3, 4))
+    check(pool, cache)
+
+
+@pytest.mark.parametrize("split_at", [1, 2, 3])
+def test_lock_after_an_insert_split_locks_exactly_the_matched_blocks(split_at: int) -> None:
+    pool, cache = cache_with()
+    put(pool, cache, toks(1, 2, 3, 4))
+    h = cache.match(toks(1, 2, 3))  # ends inside the one node
+    put(pool, cache, toks(*range(1, split_at + 1), 9))  # splits it before/at the match's end
+    cache.lock(h)
+    for b in h.blocks:  # the request's own references, as KVBlockManager takes them
+        pool.incref(b)
+    assert cache.num_evictable_blocks == cache.num_cached_blocks - 3
+    assert cache.evict(100) == 2  # block "4" and block "9": nothing on the matched path
+    assert paths(cache) >= {h.blocks} and cache.num_cached_blocks == 3
+    check(pool, cache, list(h.blocks))
+    cache.unlock(h)
+    for b in h.blocks:
+        pool.free(b)
+    assert cache.num_evictable_blocks == 3 and cache.flush() == 3
+    check(pool, cache)
+
+
+def test_a_split_after_the_match_end_leaves_the_lock_where_it_was() -> None:
+    pool, cache = cache_with()
+    put(pool, cache, toks(1, 2, 3, 4))
+    h = cache.match(toks(1, 2))
+    put(pool, cache, toks(1, 2, 3, 9))  # splits after three blocks, one past the match
+    cache.lock(h)
+    assert cache.num_evictable_blocks == cache.num_cached_blocks - 2
+    assert cache.evict(100) == 3 and paths(cache) == {h.blocks}
+    cache.unlock(h)
+    assert cache.flush() == 2
+    check(pool, cache)
+
+
+def test_a_locked_handle_outlives_the_eviction_of_the_node_it_ended_in() -> None:
+    pool, cache = cache_with()
+    put(pool, cache, toks(1, 2, 3))
+    h = cache.match(toks(1, 2))
+    cache.lock(h)  # splits off block "3", which h.node still points at
+    assert cache.evict(1) == 1 and paths(cache) == {h.blocks}
+    cache.unlock(h)
+    assert cache.num_evictable_blocks == 2 and cache.flush() == 2
+    check(pool, cache)
+    with pytest.raises(CacheIntegrityError):
+        cache.lock(h)  # its blocks are gone: evicted before it was locked again
+
+
+def test_lru_order_across_lock_unlock_and_insert_touches() -> None:
+    pool, cache = cache_with()
+    put(pool, cache, toks(1, 2))
+    put(pool, cache, toks(1, 3))
+    put(pool, cache, toks(1, 4))
+    put(pool, cache, toks(5, 6))
+    put(pool, cache, toks(7, 7))
+    pinned = cache.match(toks(7, 7))
+    cache.lock(pinned)  # stays locked: never evicted
+    h = cache.match(toks(1, 3))
+    cache.lock(h)  # "1 3" used now
+    put(pool, cache, toks(1, 2))  # "1 2" touched by an insert, after "1 3"
+    cache.unlock(h)  # unlocking is not a use
+    assert eviction_order(cache) == [tuple(toks(1, 4)), tuple(toks(5, 6)), tuple(toks(1, 3)),
+                                     tuple(toks(1, 2)), tuple(toks(1))]
+    assert paths(cache) == {pinned.blocks}
+    cache.unlock(pinned)
+    check(pool, cache)
+
+
+def test_a_parent_is_evicted_after_its_children_at_its_own_last_use() -> None:
+    pool, cache = cache_with()
+    put(pool, cache, toks(1, 2))
+    put(pool, cache, toks(1, 3))  # "1" last used here
+    put(pool, cache, toks(8))
+    assert eviction_order(cache) == [tuple(toks(1, 2)), tuple(toks(1, 3)), tuple(toks(1)),
+                                     tuple(toks(8))]
+    put(pool, cache, toks(1, 2))
+    put(pool, cache, toks(1, 3))
+    put(pool, cache, toks(8))
+    h = cache.match(toks(1))
+    cache.lock(h)  # "1" used after "8"
+    cache.unlock(h)
+    assert eviction_order(cache) == [tuple(toks(1, 2)), tuple(toks(1, 3)), tuple(toks(8)),
+                                     tuple(toks(1))]
+    check(pool, cache)
+
+
+def test_stale_heap_entries_are_compacted() -> None:
+    pool, cache = cache_with()
+    put(pool, cache, toks(1, 2))
+    h = cache.match(toks(1, 2))
+    for _ in range(1000):  # every unlock pushes the leaf again
+        cache.lock(h)
+        cache.unlock(h)
+    check(pool, cache)  # references() bounds the heap by the node count
+    assert cache.flush() == 2
+    check(pool, cache)
+
+
+# ----- property: random operations against a brute-force LRU ---------------------------------
+
+def brute_force_evict(cache: RadixPrefixCache, pool: BlockPool,
+                      num_blocks: int) -> tuple[set[tuple[int, ...]], int]:
+    """What ``evict(num_blocks)`` must drop (path blocks of each node) and free, found by
+    walking the whole tree for the least recently used unlocked leaf each time."""
+    path, stack = {}, [(root, ()) for root in cache._roots.values()]
+    while stack:
+        node, blocks = stack.pop()
+        path[node] = blocks
+        stack.extend((c, blocks + tuple(c.blocks)) for c in node.children.values())
+    alive = {n for n in path if n.parent is not None}
+    dropped, freed = set(), 0
+    while freed < num_blocks:
+        leaves = [n for n in alive if not n.lock_ref and not alive & set(n.children.values())]
+        if not leaves:
+            break
+        victim = min(leaves, key=lambda n: n.last_access)
+        assert [n.last_access for n in leaves].count(victim.last_access) == 1  # no ties
+        alive.remove(victim)
+        dropped.add(path[victim])
+        freed += sum(pool.ref_count(b) == 1 for b in victim.blocks)
+    return dropped, freed
+
+
+class Model:
+    """A cache, its pool, and requests that hold a locked handle plus a pool reference on each
+    of its blocks (as KVBlockManager does). Handles matched but not yet locked are pending:
+    they are locked before anything evicts, as the PrefixCache contract asks."""
+
+    def __init__(self) -> None:
+        self.pool, self.cache = cache_with(num_blocks=20)
+        self.pending: list = []
+        self.held: list = []
+
+    def insert(self, values: list[int], salt: str | None) -> None:
+        short = len(values) - self.pool.num_free_blocks
+        if short > 0:
+            self.evict(short)
+        if len(values) <= self.pool.num_free_blocks:
+            put(self.pool, self.cache, toks(*values), salt)
+
+    def match(self, values: list[int], salt: str | None) -> bool:
+        before = (self.cache.entries(), self.cache.references(), self.cache.num_evictable_blocks)
+        h = self.cache.match(toks(*values) + [values[0]], salt)  # a partial last block too
+        assert (self.cache.entries(), self.cache.references(),
+                self.cache.num_evictable_blocks) == before
+        if h.blocks:
+            self.pending.append(h)
+        return bool(h.blocks)
+
+    def use(self, values: list[int], salt: str | None) -> None:
+        """Match and lock at once, as a request admitted with nothing in between does."""
+        if self.match(values, salt):
+            self.lock(-1)
+
+    def lock(self, index: int) -> None:
+        if self.pending:
+            h = self.pending.pop(index % len(self.pending))
+            self.cache.lock(h)
+            for b in h.blocks:
+                self.pool.incref(b)
+            self.held.append(h)
+
+    def unlock(self, index: int) -> None:
+        if self.held:
+            h = self.held.pop(index % len(self.held))
+            self.cache.unlock(h)
+            for b in h.blocks:
+                self.pool.free(b)
+
+    def evict(self, num_blocks: int) -> None:
+        while self.pending:
+            self.lock(0)
+        before = paths(self.cache)
+        expected = brute_force_evict(self.cache, self.pool, num_blocks)
+        freed = self.cache.evict(num_blocks)
+        assert (before - paths(self.cache), freed) == expected
+
+    def check(self) -> None:
+        check(self.pool, self.cache, *[list(h.blocks) for h in self.held])
+        locked = set().union(*[h.blocks for h in self.held])  # exactly these are locked
+        assert self.cache.num_evictable_blocks == self.cache.num_cached_blocks - len(locked)
+
+
+values = st.lists(st.integers(1, 3), min_size=1, max_size=5)
+salts = st.sampled_from([None, "s"])
+operations = st.lists(st.one_of(
+    st.tuples(st.just("insert"), values, salts),
+    st.tuples(st.just("match"), values, salts),
+    st.tuples(st.just("use"), values, salts),
+    st.tuples(st.just("lock"), st.integers(0, 7)),
+    st.tuples(st.just("unlock"), st.integers(0, 7)),
+    st.tuples(st.just("evict"), st.integers(1, 6)),
+), min_size=10, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations)
+def test_random_operations_keep_invariants_and_evict_lru(ops: list[tuple]) -> None:
+    model = Model()
+    for name, *args in ops:
+        getattr(model, name)(*args)
+        model.check()
+    while model.pending:
+        model.lock(0)
+    while model.held:
+        model.unlock(0)
+    model.evict(model.cache.num_evictable_blocks)
+    assert model.cache.num_cached_blocks == 0
+    assert model.pool.num_free_blocks == model.pool.num_usable_blocks
+    model.check()
 
 
 # ----- through the block manager ----------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Sampler: processing order, warpers' allowed sets, seeded reproducibility, logprobs.
+"""Sampler: processor order and batching, warpers' allowed sets, grammar bitmasks, seeded
+reproducibility, logprobs.
 
 Random logits stand in for a model; each test runs in milliseconds.
 """
@@ -14,9 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.params import SamplingParams
-from tokenmill.runner import sampler as sampler_module
+from tokenmill.runner import logits_processors as processors_module
+from tokenmill.runner.logits_processors import LogitBias, LogitsProcessor, Temperature
 from tokenmill.runner.sampler import (
-    Sampler, SamplingRow, apply_penalties, apply_top_k_top_p, process_logits, token_counts)
+    Sampler, SamplingRow, apply_penalties, apply_top_k_top_p, default_processors, process_logits,
+    token_counts, unpack_bitmask)
 
 VOCAB = 64
 EOS = 3
@@ -26,8 +29,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def row(params: SamplingParams = GREEDY, seq_id: str = "r", output: list[int] | None = None,
-        prompt: list[int] | None = None, seq_index: int = 0) -> SamplingRow:
-    return SamplingRow(seq_id, params, prompt or [1, 2], output or [], frozenset({EOS}), seq_index)
+        prompt: list[int] | None = None, seq_index: int = 0, stops: frozenset[int] | None = None,
+        bitmask: torch.Tensor | None = None) -> SamplingRow:
+    return SamplingRow(seq_id, params, prompt or [1, 2], output or [],
+                       frozenset({EOS}) if stops is None else stops, seq_index, bitmask)
 
 
 def rand_logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0,
@@ -94,6 +99,200 @@ def test_empty_batch() -> None:
     assert out.token_ids == [] and out.logprobs == []
 
 
+# --- processors: order, batching, skipping ---------------------------------------------------
+
+def test_default_processor_order_is_the_documented_one() -> None:
+    names = [p.name for p in default_processors()]
+    assert names == ["logit_bias", "grammar_mask", "min_tokens", "penalties", "temperature",
+                     "top_k_top_p", "min_p"]
+    assert [p.name for p in Sampler().processors] == names
+
+
+class Recording(LogitsProcessor):
+    """Wraps a processor and records the rows it is applied to."""
+
+    def __init__(self, inner: LogitsProcessor) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.calls: list[tuple[list[str], list[int]]] = []  # (seq_ids, indices) per apply
+
+    def rows(self, rows: Sequence[SamplingRow]) -> list[int]:
+        return self.inner.rows(rows)
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+              indices: list[int]) -> torch.Tensor:
+        self.calls.append(([r.seq_id for r in rows], indices))
+        return self.inner.apply(logits, rows, indices)
+
+
+def recorded_batch() -> dict[str, list[tuple[list[str], list[int]]]]:
+    """Calls each default processor received for a mixed batch, by processor name."""
+    recorders = [Recording(p) for p in default_processors()]
+    rows = [row(SamplingParams(temperature=0.0, top_k=5, min_p=0.5, logit_bias={1: 2.0}), "g"),
+            row(SamplingParams(temperature=0.7, top_p=0.9), "t"),
+            row(SamplingParams(repetition_penalty=1.2, min_p=0.1), "p", output=[4]),
+            row(SamplingParams(), "plain")]
+    Sampler(seed=0, processors=recorders)(rand_logits(len(rows)), rows)
+    return {r.name: r.calls for r in recorders}
+
+
+def test_each_processor_gets_only_the_rows_that_use_it() -> None:
+    calls = recorded_batch()
+    assert calls["logit_bias"] == [(["g"], [0])]
+    assert calls["penalties"] == [(["p"], [2])]
+    assert calls["temperature"] == [(["t"], [1])]
+    # The greedy row's top_k and min_p cannot change its argmax: it is not passed.
+    assert calls["top_k_top_p"] == [(["t"], [1])]
+    assert calls["min_p"] == [(["p"], [2])]
+
+
+def test_processor_used_by_no_row_is_skipped() -> None:
+    calls = recorded_batch()
+    assert calls["grammar_mask"] == [] and calls["min_tokens"] == []
+
+
+def test_skipped_processors_do_no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object) -> torch.Tensor:
+        raise AssertionError("applied to no rows")
+
+    for cls in {type(p) for p in default_processors()} - {LogitBias}:
+        monkeypatch.setattr(cls, "apply", fail)
+    logits = rand_logits(2)
+    out = Sampler()(logits, [row(SamplingParams(temperature=0.0, logit_bias={5: 100.0}), "a"),
+                             row(GREEDY, "b")])
+    assert out.token_ids == [5, int(logits[1].argmax())]
+
+
+def test_default_sampling_batch_is_not_copied() -> None:
+    logits = rand_logits(3)
+    rows = [row(SamplingParams(), str(i)) for i in range(2)] + [row(GREEDY, "g")]
+    assert process_logits(logits, rows) is logits
+
+
+def test_greedy_rows_are_untouched_by_sampling_warpers() -> None:
+    logits = rand_logits(2)
+    greedy = SamplingParams(temperature=0.0, top_k=2, top_p=0.1, min_p=0.9)
+    x = process_logits(logits, [row(greedy, "g"), row(SamplingParams(top_k=2), "s")])
+    assert torch.equal(x[0], logits[0])
+    assert torch.isfinite(x[1]).sum() == 2
+
+
+def test_bias_comes_before_penalties() -> None:
+    # Token 0 was generated: bias then penalty gives (2 + 2) / 2 = 2 < 2.5, so token 1 wins;
+    # penalty then bias would give 2 / 2 + 2 = 3 and pick token 0.
+    logits = torch.tensor([[2.0, 2.5, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={0: 2.0})
+    rows = [row(params, output=[0], prompt=[3], stops=frozenset())]
+    assert process_logits(logits, rows)[0, 0] == 2.0
+    assert Sampler()(logits, rows).token_ids == [1]
+
+
+def test_bias_comes_before_temperature_and_a_custom_order_is_honoured() -> None:
+    logits = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    rows = [row(SamplingParams(temperature=0.5, logit_bias={0: 1.0}))]
+    assert process_logits(logits, rows)[0, 0] == (1.0 + 1.0) / 0.5
+    reversed_order = [Temperature(), LogitBias()]
+    assert process_logits(logits, rows, reversed_order)[0, 0] == 1.0 / 0.5 + 1.0
+
+
+def test_custom_processor_list() -> None:
+    class BanToken(LogitsProcessor):
+        name = "ban_token"
+
+        def rows(self, rows: Sequence[SamplingRow]) -> list[int]:
+            return [i for i, r in enumerate(rows) if r.seq_id.startswith("ban")]
+
+        def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                  indices: list[int]) -> torch.Tensor:
+            logits[indices, 7] = -math.inf
+            return logits
+
+    logits = rand_logits(2)
+    logits[:, 7] = 100.0
+    params = SamplingParams(temperature=0.0, logit_bias={7: -100.0})
+    sampler = Sampler(processors=[BanToken()])  # no default processors: the bias is ignored
+    assert [p.name for p in sampler.processors] == ["ban_token"]
+    out = sampler(logits, [row(params, "ban-a"), row(params, "keep")]).token_ids
+    assert out[0] == int(logits[0].topk(2).indices[1]) and out[1] == 7
+    assert logits[0, 7] == 100.0  # the custom processor wrote a copy
+
+
+# --- grammar bitmask --------------------------------------------------------------------------
+
+def pack(allowed: set[int], words: int) -> torch.Tensor:
+    """Reference packing, one bit at a time: (words,) int32, bit j of word i = token 32i + j."""
+    values = [0] * words
+    for t in allowed:
+        values[t // 32] |= 1 << (t % 32)
+    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)
+
+
+def words_for(vocab: int) -> int:
+    return -(-vocab // 32)
+
+
+def test_unpack_bitmask_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 100
+    sets = [set(torch.randperm(vocab, generator=gen)[:n].tolist()) for n in (1, 31, 64, 100)]
+    sets.append({31, 63, 95})  # sign bits: the arithmetic shift must not leak into other bits
+    unpacked = unpack_bitmask(torch.stack([pack(a, words_for(vocab)) for a in sets]), vocab)
+    for i, allowed_ids in enumerate(sets):
+        assert set(unpacked[i].nonzero().flatten().tolist()) == allowed_ids
+
+
+def test_bitmask_constrains_greedy_rows() -> None:
+    logits = rand_logits(1)
+    allowed_ids = {5, 40, 63}
+    out = Sampler()(logits, [row(bitmask=pack(allowed_ids, 2))])
+    best = max(allowed_ids, key=lambda t: logits[0, t].item())
+    assert out.token_ids == [best]
+
+
+def test_bitmask_constrains_sampled_rows_and_leaves_others_alone() -> None:
+    logits = rand_logits(1, scale=0.5)[0]
+    allowed_ids = {0, 2, 17, 31, 32, 50, 63}
+    n = 2000
+    batch = logits.expand(n + 1, -1).contiguous()
+    rows = [row(SamplingParams(), f"s{i}", bitmask=pack(allowed_ids, 2)) for i in range(n)]
+    rows.append(row(GREEDY, "free"))
+    out = Sampler(seed=0)(batch, rows).token_ids
+    assert set(out[:n]) == allowed_ids  # never outside, and every allowed token turns up
+    assert out[n] == int(logits.argmax())
+    x = process_logits(batch[-2:], rows[-2:])
+    assert torch.equal(x[1], logits)
+    assert torch.isfinite(x[0]).sum() == len(allowed_ids)
+
+
+@pytest.mark.parametrize("vocab", [37, 70, 95])
+def test_bitmask_with_odd_vocab(vocab: int) -> None:
+    logits = rand_logits(3, vocab=vocab)
+    last = vocab - 1
+    exact = pack({last, 32}, words_for(vocab))
+    exact[-1] = -1  # bits past the vocab in the last word are ignored
+    wide = torch.cat([pack({1}, words_for(vocab)), torch.full((2,), -1, dtype=torch.int32)])
+    short = torch.full((1,), -1, dtype=torch.int32)  # covers tokens 0..31 only
+    rows = [row(SamplingParams(), "a", bitmask=exact), row(GREEDY, "b", bitmask=wide),
+            row(GREEDY, "c", bitmask=short)]
+    x = process_logits(logits, rows)
+    allowed_a = set(range(32 * (words_for(vocab) - 1), vocab)) | {32}
+    assert set(torch.isfinite(x[0]).nonzero().flatten().tolist()) == allowed_a
+    assert set(torch.isfinite(x[1]).nonzero().flatten().tolist()) == {1}
+    assert set(torch.isfinite(x[2]).nonzero().flatten().tolist()) == set(range(32))
+    assert Sampler()(logits, rows).token_ids[1:] == [1, int(logits[2, :32].argmax())]
+
+
+@pytest.mark.parametrize("vocab, bitmask", [
+    (64, torch.zeros(2, dtype=torch.int32)),
+    (40, pack({45, 63}, 2)),  # only tokens past the vocab
+    (64, torch.empty(0, dtype=torch.int32)),
+])
+def test_bitmask_allowing_nothing_raises(vocab: int, bitmask: torch.Tensor) -> None:
+    rows = [row(GREEDY, "fine", bitmask=pack({1}, 2)), row(GREEDY, "req-7", bitmask=bitmask)]
+    with pytest.raises(ValueError, match="req-7"):
+        Sampler()(rand_logits(2, vocab=vocab), rows)
+
+
 # --- warpers never leave their allowed set ----------------------------------------------------
 
 def nucleus(probs: torch.Tensor, p: float) -> set[int]:
@@ -157,13 +356,13 @@ def test_top_k_top_p_helper_rows_are_independent() -> None:
 def test_top_p_large_vocab_matches_reference(scale: float, ks: list[int], partial: bool,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     held: list[bool] = []
-    check = sampler_module._holds_cutoffs
+    check = processors_module._holds_cutoffs
 
     def spy(*args: object) -> bool:  # records which path each call took
         held.append(check(*args))
         return held[-1]
 
-    monkeypatch.setattr(sampler_module, "_holds_cutoffs", spy)
+    monkeypatch.setattr(processors_module, "_holds_cutoffs", spy)
     logits = rand_logits(3, vocab=8192, scale=scale)
     ps = [0.9, 0.8, 0.95]
     masked = apply_top_k_top_p(logits.clone(), ks, ps)
@@ -240,24 +439,36 @@ def eos_favoured_logits() -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("ignore_eos, expected", [(False, 11), (True, EOS)])
-def test_min_tokens_masks_eos_and_stop_ids(ignore_eos: bool, expected: int) -> None:
-    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[9],
-                            ignore_eos=ignore_eos)
+# The caller resolves stop_token_ids (ignore_eos drops EOS from them): the sampler masks those.
+@pytest.mark.parametrize("stops, expected", [({9, EOS}, 11), ({9}, EOS)])
+def test_min_tokens_masks_stop_token_ids(stops: set[int], expected: int) -> None:
+    params = SamplingParams(temperature=0.0, min_tokens=2)
     logits = eos_favoured_logits()
-    short = process_logits(logits, [row(params, output=[5])])
+    short = process_logits(logits, [row(params, output=[5], stops=frozenset(stops))])
     assert short[0, 9] == -math.inf
-    assert (short[0, EOS] == -math.inf) is not ignore_eos
-    assert Sampler()(logits, [row(params, output=[5])]).token_ids == [expected]
+    assert bool(short[0, EOS] == -math.inf) is (EOS in stops)
+    assert Sampler()(logits, [row(params, output=[5], stops=frozenset(stops))]).token_ids == \
+        [expected]
     # Reached min_tokens: nothing is masked any more.
-    assert Sampler()(logits, [row(params, output=[5, 6])]).token_ids == [EOS]
-    assert torch.equal(process_logits(logits, [row(params, output=[5, 6])]), logits)
+    done = row(params, output=[5, 6], stops=frozenset(stops))
+    assert Sampler()(logits, [done]).token_ids == [EOS]
+    assert process_logits(logits, [done]) is logits
 
 
-def test_ignore_eos_alone_does_not_mask_eos() -> None:
+def test_min_tokens_honours_each_rows_own_eos() -> None:
+    logits = eos_favoured_logits().expand(2, -1).contiguous()
+    params = SamplingParams(temperature=0.0, min_tokens=3)
+    # Row b's request overrides EOS with token 9: EOS is an ordinary token for it.
+    rows = [row(params, "a", output=[5]), row(params, "b", output=[5], stops=frozenset({9}))]
+    x = process_logits(logits, rows)
+    assert x[0, EOS] == -math.inf and x[0, 9] == logits[0, 9]
+    assert x[1, 9] == -math.inf and x[1, EOS] == logits[1, EOS]
+    assert Sampler()(logits, rows).token_ids == [9, EOS]
+
+
+def test_no_min_tokens_masks_nothing() -> None:
     logits = eos_favoured_logits()
-    params = SamplingParams(temperature=0.0, ignore_eos=True)
-    assert Sampler()(logits, [row(params)]).token_ids == [EOS]
+    assert Sampler()(logits, [row(SamplingParams(temperature=0.0))]).token_ids == [EOS]
 
 
 def test_repetition_penalty_divides_positive_multiplies_negative() -> None:
@@ -340,6 +551,20 @@ def test_different_seeds_differ_and_unseeded_is_random() -> None:
     c = run_steps(Sampler(), flat_logits(), row(SamplingParams()), 16)
     d = run_steps(Sampler(), flat_logits(), row(SamplingParams()), 16)
     assert c != d  # no sampler seed: nondeterministic
+
+
+def test_rows_of_one_seeded_sequence_take_successive_draws() -> None:
+    # Speculative verification: k + 1 positions of one sequence, each with its output prefix.
+    params = SamplingParams(seed=11)
+    rows = [row(params, "t", output=[9] * i) for i in range(6)]
+    others = [row(SamplingParams(), "u"), row(SamplingParams(seed=2), "v")]
+    logits = flat_logits().expand(len(rows) + 2, -1).contiguous()
+    first = Sampler(seed=0)(logits, rows + others).token_ids[:6]
+    again = Sampler(seed=1)(logits, others[::-1] + rows).token_ids[2:]
+    assert first == again
+    assert len(set(first)) > 1
+    # The same draws as six consecutive steps of that sequence.
+    assert first == run_steps(Sampler(), flat_logits(), rows[0], 6)
 
 
 def test_forget_restarts_the_stream() -> None:

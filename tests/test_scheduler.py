@@ -1,20 +1,25 @@
-"""Scheduler driven by a fake model (no torch): batches, preemption, n > 1, stops, aborts.
+"""Scheduler driven by a fake model (no torch): batches, preemption, n > 1, stops, aborts,
+draft tokens and their rollback.
 
-``FakeRunner`` keeps a (position, token) record per KV slot and checks, before writing a step's
-tokens, that every chunk finds its whole history where its block table says: that is what
-attention would read, so it catches shared, reused or forgotten blocks, not just bookkeeping.
+``tests.fakes.FakeRunner`` keeps a (position, token) record per KV slot and checks, before
+writing a step's tokens, that every chunk finds its whole history where its block table says:
+that is what attention would read, so it catches shared, reused, forgotten or rolled-back
+blocks, not just bookkeeping.
 """
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.cache import KVBlockManager, slot_of
+from tests.fakes import FakeRunner
+from tokenmill.cache import CacheIntegrityError, KVBlockManager
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.params import SamplingParams
 from tokenmill.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -23,9 +28,9 @@ from tokenmill.sched import Scheduler, SchedulerOutput, group_by_request
 EOS = 2
 
 
-def fake_token(request: Request) -> int:
+def fake_token(request: Request, drafts_before: Sequence[int] = ()) -> int:
     """Never EOS; differs between the sequences of one request."""
-    return 1000 + 100 * request.seq_index + request.num_output_tokens
+    return 1000 + 100 * request.seq_index + request.num_output_tokens + len(drafts_before)
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32,
@@ -45,25 +50,6 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int | None = 4,
                    arrival_time=arrival, priority=priority)
 
 
-class FakeRunner:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.block_size = scheduler.block_size
-        self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
-
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        for chunk in output.scheduled:  # reads see only KV written by earlier steps
-            history = chunk.request.all_token_ids
-            for pos in range(chunk.start_pos):
-                slot = slot_of(chunk.block_table, pos, self.block_size)
-                assert self.kv.get(slot) == (pos, history[pos]), (chunk.request_id, pos)
-        for chunk in output.scheduled:
-            for i, token in enumerate(chunk.token_ids):
-                pos = chunk.start_pos + i
-                self.kv[slot_of(chunk.block_table, pos, self.block_size)] = (pos, token)
-        return {c.request_id: fake_token(c.request) for c in output.scheduled if c.sample}
-
-
 def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
     """The contract the runner relies on, and the step limits."""
     config = scheduler.config
@@ -74,26 +60,39 @@ def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
     for c in output.scheduled:
         end = c.start_pos + c.num_tokens
         assert c.num_tokens >= 1 and c.request.status is RequestStatus.RUNNING
-        assert c.token_ids == c.request.all_token_ids[c.start_pos:end]
+        known = c.num_tokens - c.num_drafts
+        assert c.token_ids[:known] == c.request.all_token_ids[c.start_pos:c.start_pos + known]
         assert len(c.block_table) * scheduler.block_size >= end
-        assert c.sample == (end == c.request.num_tokens)
+        reaches_end = c.start_pos + known == c.request.num_tokens
+        assert c.num_logits == (c.num_drafts + 1 if reaches_end else 0)
+        assert reaches_end or not c.num_drafts
         assert c.request_id not in output.preempted_ids
 
 
-class Driver:
-    """Steps scheduler and fake runner, checking contract and integrity around every step."""
+Proposer = Callable[[Request], list[int]]
 
-    def __init__(self, scheduler: Scheduler) -> None:
+
+class Driver:
+    """Steps scheduler and fake runner, checking contract and integrity around every step.
+    A ``proposer`` gives running sequences draft tokens before each step."""
+
+    def __init__(self, scheduler: Scheduler, proposer: Proposer | None = None) -> None:
         self.scheduler = scheduler
-        self.runner = FakeRunner(scheduler)
+        self.runner = FakeRunner(scheduler.block_size, fake_token)
+        self.proposer = proposer
         self.outputs: list[SchedulerOutput] = []
 
     def step(self) -> SchedulerOutput:
+        if self.proposer is not None:
+            for request in self.scheduler.running:
+                request.spec_token_ids = self.proposer(request)
         output = self.scheduler.schedule()
         check_output(self.scheduler, output)
         self.scheduler.check_integrity()
-        self.scheduler.update_from_output(output, self.runner.execute(output))
+        result = self.runner.execute(output.scheduled)
+        self.scheduler.update_from_output(output, result.token_ids)
         self.scheduler.check_integrity()
+        self.runner.check_prefix_cache(self.scheduler.block_manager.prefix_cache)
         self.outputs.append(output)
         return output
 
@@ -226,7 +225,7 @@ def test_request_that_can_never_fit_is_rejected_up_front() -> None:
     make_scheduler(num_blocks=11, block_size=4).add_request(make_request("u", 5, max_tokens=None))
     capped = make_scheduler(num_blocks=11, block_size=4, max_model_len=16)
     capped.add_request(make_request("unbounded", 5, max_tokens=None))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 16"):
         capped.add_request(make_request("long-prompt", 16))
     with pytest.raises(ValueError, match="already in use"):
         capped.add_request(make_request("unbounded", 5))
@@ -525,6 +524,149 @@ def test_failed_step_is_recovered_by_aborting_its_sequences() -> None:
 
 
 
+# ----- several tokens per step: drafts, verification, rollback --------------------------------
+
+def true_drafts(k: int) -> Proposer:
+    """The fake model's own next k tokens: every draft is accepted."""
+    return lambda r: [fake_token_at(r, r.num_output_tokens + j) for j in range(k)]
+
+
+def drafts_wrong_from(k: int, wrong_at: int) -> Proposer:
+    """k drafts, right up to index ``wrong_at`` and wrong from there on."""
+    return lambda r: [fake_token_at(r, r.num_output_tokens + j) + (j >= wrong_at) * 7
+                      for j in range(k)]
+
+
+def test_drafts_are_verified_with_the_last_token_and_all_accepted() -> None:
+    scheduler = make_scheduler(block_size=4, budget=64)
+    driver = Driver(scheduler, proposer=true_drafts(3))
+    request = scheduler.add_request(make_request("x", 5, max_tokens=9))[0]
+    first = driver.step()  # the prompt: no drafts before the first token exists
+    assert first.scheduled[0].num_drafts == 0 and request.num_output_tokens == 1
+    second = driver.step()
+    chunk = second.scheduled[0]
+    assert (chunk.start_pos, chunk.num_tokens, chunk.num_logits, chunk.num_drafts) == (5, 4, 4, 3)
+    assert request.num_output_tokens == 5  # 3 drafts accepted + the model's own token
+    assert request.num_computed_tokens == request.num_tokens - 1
+    driver.run()
+    assert request.output_token_ids == [fake_token_at(request, k) for k in range(9)]
+    assert len(driver.outputs) == 3  # 1 + 4 + 4 tokens, not 9 steps
+    stats = scheduler.stats()
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (6, 6)
+
+
+def test_rollback_of_two_of_three_drafts_frees_their_block() -> None:
+    # block_size 4, prompt 6: the last prompt token sits at position 5 in block 1; the three
+    # drafts go to positions 6, 7 (block 1) and 8 (a new block 2).
+    scheduler = make_scheduler(num_blocks=16, block_size=4, budget=64)
+    driver = Driver(scheduler)
+    request = scheduler.add_request(make_request("x", 6, max_tokens=8))[0]
+    driver.step()
+    free_before = scheduler.block_manager.num_free_blocks
+    request.spec_token_ids = drafts_wrong_from(3, 1)(request)
+    output = scheduler.schedule()
+    assert output.scheduled[0].num_drafts == 3
+    assert len(scheduler.block_manager.block_table("x")) == 3
+    result = driver.runner.execute(output.scheduled)
+    assert result.token_ids["x"] == [fake_token_at(request, 1), fake_token_at(request, 2)]
+    update, = scheduler.update_from_output(output, result.token_ids)
+    assert (update.new_token_ids, update.num_rejected) == (result.token_ids["x"], 2)
+    assert request.num_tokens == 9 and request.num_computed_tokens == 8  # 7 + 1 accepted draft
+    assert len(scheduler.block_manager.block_table("x")) == 2  # block 2 went back
+    assert scheduler.block_manager.num_free_blocks == free_before
+    scheduler.check_integrity()
+    driver.run()
+    assert request.output_token_ids == [fake_token_at(request, k) for k in range(8)]
+
+
+def test_a_stop_token_inside_an_accepted_run_truncates_the_rest() -> None:
+    scheduler = make_scheduler(block_size=4)
+    request = scheduler.add_request(make_request("x", 3, max_tokens=10))[0]
+    Driver(scheduler).step()
+    request.spec_token_ids = [5, EOS, 6]
+    output = scheduler.schedule()
+    update, = scheduler.update_from_output(output, {"x": [5, EOS, 6, 9]})
+    assert update.new_token_ids == [5, EOS] and update.finished
+    assert request.output_token_ids[1:] == [5, EOS]
+    assert request.finish_reason is FinishReason.STOP
+    assert_all_blocks_free(scheduler)
+    # The KV of the prompt, the first token and the accepted draft 5 is valid and was cached.
+    assert scheduler.block_manager.prefix_cache.num_cached_blocks == 1
+
+
+def drafts_granted(scheduler: Scheduler, prompt_len: int, max_tokens: int | None) -> int:
+    """How many of 5 drafts the scheduler takes for a request with one token generated."""
+    driver = Driver(scheduler)
+    request = scheduler.add_request(make_request("x", prompt_len, max_tokens=max_tokens))[0]
+    run_until(driver, lambda: request.num_output_tokens == 1)
+    request.spec_token_ids = [1, 2, 3, 4, 5]
+    output = scheduler.schedule()
+    scheduler.abort_request("x")
+    scheduler.update_from_output(output, {})
+    assert_all_blocks_free(scheduler)
+    return output.scheduled[0].num_drafts
+
+
+def test_drafts_never_run_past_max_tokens_the_context_or_the_budget() -> None:
+    # 1 token generated + 2 drafts + the model's own token = max_tokens 4
+    assert drafts_granted(make_scheduler(block_size=4), 3, max_tokens=4) == 2
+    # 9 known tokens + 2 drafts + 1 = max_model_len 12
+    assert drafts_granted(make_scheduler(block_size=4, max_model_len=12), 8, None) == 2
+    # a budget of 3 tokens: the last known one and 2 drafts
+    assert drafts_granted(make_scheduler(block_size=4, budget=3), 2, max_tokens=9) == 2
+
+
+def test_drafts_without_blocks_are_dropped_rather_than_preempting() -> None:
+    scheduler = make_scheduler(num_blocks=3, block_size=4, budget=64)  # 2 usable blocks
+    driver = Driver(scheduler)
+    a = scheduler.add_request(make_request("a", 3, max_tokens=3))[0]
+    b = scheduler.add_request(make_request("b", 3, max_tokens=3, arrival=1.0))[0]
+    driver.step()
+    a.spec_token_ids = [7, 7, 7]  # would need a third block
+    chunk = scheduler.schedule().scheduled[0]
+    assert chunk.request is a and chunk.num_drafts == 0
+    assert scheduler.num_preemptions == 0 and b.status is RequestStatus.RUNNING
+
+
+def test_abort_while_drafts_are_pending_frees_everything() -> None:
+    scheduler = make_scheduler(block_size=2)
+    driver = Driver(scheduler)
+    request = scheduler.add_request(make_request("x", 3, max_tokens=10))[0]
+    driver.step()
+    request.spec_token_ids = [1, 2, 3, 4]
+    output = scheduler.schedule()
+    assert output.scheduled[0].num_drafts == 4
+    assert scheduler.abort_request("x")
+    assert scheduler.update_from_output(output, {"x": [1, 2, 9]}) == []
+    assert request.output_token_ids == [fake_token_at(request, 0)]
+    assert_all_blocks_free(scheduler)
+
+
+def test_forced_tokens_past_the_scored_ones_are_computed_next_step() -> None:
+    scheduler = make_scheduler(block_size=4)
+    request = scheduler.add_request(make_request("x", 3, max_tokens=10))[0]
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, {"x": [5, 6, 7]})  # one sampled, two forced
+    assert request.output_token_ids == [5, 6, 7] and request.num_computed_tokens == 3
+    chunk = scheduler.schedule().scheduled[0]
+    assert (chunk.start_pos, chunk.token_ids, chunk.num_logits) == (3, [5, 6, 7], 1)
+    scheduler.abort_request("x")
+
+
+def test_trim_refuses_to_touch_shared_blocks() -> None:
+    scheduler = make_scheduler(num_blocks=32, block_size=4, budget=64)
+    driver = Driver(scheduler)
+    sequences = scheduler.add_request(make_request("r", 10, max_tokens=5, n=2))
+    driver.step()
+    manager = scheduler.block_manager
+    sibling = sequences[1]  # shares the leader's first two prompt blocks
+    with pytest.raises(CacheIntegrityError, match="shared"):
+        manager.trim(sibling, 5)  # would make block 1, shared, writable again
+    assert len(manager.block_table(sibling.request_id)) == 2
+    scheduler.check_integrity()
+    driver.run()
+
+
 # ----- properties ----------------------------------------------------------------------------
 
 def test_bookkeeping_never_imports_torch() -> None:
@@ -543,15 +685,36 @@ request_specs = st.lists(st.tuples(
 ), min_size=1, max_size=8)
 
 
+def random_drafts(seed: int, max_k: int) -> Proposer:
+    """Up to ``max_k`` drafts, each right with probability 3/4 while the run is right."""
+    rng = random.Random(seed)
+
+    def propose(r: Request) -> list[int]:
+        k = rng.randint(0, max_k)
+        return [fake_token_at(r, r.num_output_tokens + j) + (rng.random() < 0.25) * 9
+                for j in range(k)]
+
+    return propose
+
+
 @settings(max_examples=150, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(specs=request_specs, num_blocks=st.integers(3, 24), block_size=st.sampled_from([1, 2, 4]),
        budget=st.integers(1, 24), max_seqs=st.integers(1, 6),
-       policy=st.sampled_from(["fcfs", "priority"]), watermark=st.sampled_from([0.0, 0.1]))
+       policy=st.sampled_from(["fcfs", "priority"]), watermark=st.sampled_from([0.0, 0.1]),
+       max_drafts=st.sampled_from([0, 0, 2, 5]), draft_seed=st.integers(0, 1000),
+       prefix_cache=st.booleans())
 def test_random_workloads_keep_invariants(specs, num_blocks: int, block_size: int, budget: int,
-                                          max_seqs: int, policy: str, watermark: float) -> None:
-    scheduler = make_scheduler(num_blocks, block_size, budget, max_seqs, policy, None, watermark)
-    driver = Driver(scheduler)
+                                          max_seqs: int, policy: str, watermark: float,
+                                          max_drafts: int, draft_seed: int,
+                                          prefix_cache: bool) -> None:
+    """Random arrivals, aborts, n > 1, memory pressure and (right or wrong) drafts: the step
+    contract, cache integrity and the prefix cache's KV are checked around every step, and
+    every surviving sequence ends with exactly the fake model's tokens."""
+    scheduler = make_scheduler(num_blocks, block_size, budget, max_seqs, policy, None, watermark,
+                               prefix_cache)
+    proposer = random_drafts(draft_seed, max_drafts) if max_drafts else None
+    driver = Driver(scheduler, proposer)
     arrivals: dict[int, list[Request]] = {}
     aborts: dict[int, list[str]] = {}
     for i, (step, prompt_len, max_tokens, n, priority, abort_at) in enumerate(specs):
@@ -564,6 +727,8 @@ def test_random_workloads_keep_invariants(specs, num_blocks: int, block_size: in
         if seq.group_id not in aborted:
             room = scheduler.max_model_len - seq.num_prompt_tokens
             assert seq.num_output_tokens == min(seq.sampling_params.max_tokens, room), seq
+            assert seq.output_token_ids == [fake_token_at(seq, k)
+                                            for k in range(seq.num_output_tokens)]
     assert_all_blocks_free(scheduler)
 
 

@@ -1,75 +1,52 @@
-"""AsyncEngine with a fake LLMEngine: streams, aborts, admission, a dying loop, shutdown (fast)."""
+"""AsyncEngine over a real LLMEngine with a fake runner: streams, aborts, admission, a dying
+loop, shutdown (fast, no torch)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
+from tests.test_engine_unit import make_engine
 from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
                                            EngineUnavailableError)
-from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.params import SamplingParams
-from tokenmill.request import CompletionOutput, FinishReason, RequestOutput
 
 
 class FakeEngine:
-    """Emits one token per request per step; ``fail`` makes the next step raise."""
+    """An ``LLMEngine`` (4 sequences at a time, 256-token context) whose runner takes
+    ``step_seconds`` per step; records the threads that touch it; ``fail`` makes the next
+    step raise."""
 
     def __init__(self, step_seconds: float = 0.002):
-        self.reqs: dict[str, list] = {}
+        self.engine = make_engine(num_blocks=300, max_seqs=4)
         self.step_seconds = step_seconds
-        self.steps = 0
         self.fail = False
-        self.stats = EngineStats()
-        self.num_preemptions = 0
-        self.scheduler_config = SimpleNamespace(max_num_seqs=4)
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, running=[],
-                                         block_manager=SimpleNamespace(usage=0.0))
         self.thread_ids: set[int] = set()
+        self.engine.runner.before_execute = self._before_execute
+        for name in ("add_request", "abort_request", "step"):
+            setattr(self.engine, name, self._recorded(getattr(self.engine, name)))
 
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None,
-                    cache_salt=None):
-        self.thread_ids.add(threading.get_ident())
-        if not prompt:
-            raise ValueError("prompt is empty")
-        self.reqs[request_id] = [list(prompt), [], params.max_tokens]
-        self._sync()
+    def _recorded(self, method):
+        def call(*args, **kwargs):
+            self.thread_ids.add(threading.get_ident())
+            return method(*args, **kwargs)
+        return call
 
-    def abort_request(self, request_id):
-        self.thread_ids.add(threading.get_ident())
-        self.reqs.pop(request_id, None)
-        self._sync()
-
-    def has_unfinished_requests(self):
-        return bool(self.reqs)
-
-    def step(self):
-        self.thread_ids.add(threading.get_ident())
-        self.steps += 1
+    def _before_execute(self, chunks) -> None:
         if self.fail:
             raise RuntimeError("boom")
         time.sleep(self.step_seconds)
-        outs = []
-        for rid, (prompt, tokens, max_tokens) in list(self.reqs.items()):
-            tokens.append(7)
-            done = len(tokens) >= max_tokens
-            outs.append(RequestOutput(rid, prompt, [CompletionOutput(
-                0, list(tokens), "x" * len(tokens),
-                finish_reason=FinishReason.LENGTH if done else None)], finished=done))
-            if done:
-                del self.reqs[rid]
-        self.stats.num_generated_tokens += len(outs)
-        self.stats.iteration_tokens.append(len(outs))
-        self._sync()
-        return outs
 
-    def _sync(self):
-        self.scheduler.num_running = len(self.reqs)
-        self.scheduler.block_manager.usage = 0.1 * len(self.reqs)
+    @property
+    def steps(self) -> int:
+        return self.engine.stats().num_steps
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests()
 
 
 def run(coro):
@@ -80,7 +57,7 @@ def test_stream_to_the_end_and_loop_thread_only():
     fake = FakeEngine()
 
     async def main():
-        engine = AsyncEngine(fake)
+        engine = AsyncEngine(fake.engine)
         engine.start()
         outs = [o async for o in engine.generate("a", [1, 2], SamplingParams(max_tokens=5))]
         await engine.shutdown(1)
@@ -95,16 +72,16 @@ def test_consumer_that_stops_aborts_and_idle_loop_sleeps():
     fake = FakeEngine()
 
     async def main():
-        engine = AsyncEngine(fake)
+        engine = AsyncEngine(fake.engine)
         engine.start()
         gen = engine.generate("a", [1], SamplingParams(max_tokens=10_000))
         await gen.__anext__()
         await gen.aclose()
         for _ in range(200):
-            if not fake.reqs and engine.snapshot.kv_cache_usage == 0:
+            if not fake.busy and engine.snapshot.kv_cache_usage == 0:
                 break
             await asyncio.sleep(0.01)
-        assert not fake.reqs and engine.snapshot.num_running == 0
+        assert not fake.busy and engine.snapshot.num_running == 0
         steps = fake.steps
         await asyncio.sleep(0.3)
         assert fake.steps == steps  # no busy stepping while idle
@@ -114,7 +91,7 @@ def test_consumer_that_stops_aborts_and_idle_loop_sleeps():
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.sleep(0.1)
-        assert not fake.reqs
+        assert not fake.busy
         await engine.shutdown(1)
 
     run(main())
@@ -128,7 +105,7 @@ def test_bad_prompt_and_admission_control():
     fake = FakeEngine(step_seconds=0.05)
 
     async def main():
-        engine = AsyncEngine(fake, max_queued_requests=1)
+        engine = AsyncEngine(fake.engine, max_queued_requests=1)
         engine.start()
         with pytest.raises(ValueError):
             await engine.add_request("bad", [], SamplingParams())
@@ -148,7 +125,7 @@ def test_dead_loop_fails_streams_and_reports_not_alive():
     fake = FakeEngine()
 
     async def main():
-        engine = AsyncEngine(fake)
+        engine = AsyncEngine(fake.engine)
         engine.start()
         gen = engine.generate("a", [1], SamplingParams(max_tokens=10_000))
         await gen.__anext__()
@@ -167,7 +144,7 @@ def test_shutdown_lets_running_requests_finish_and_refuses_new_ones():
     fake = FakeEngine(step_seconds=0.01)
 
     async def main():
-        engine = AsyncEngine(fake)
+        engine = AsyncEngine(fake.engine)
         engine.start()
         task = asyncio.create_task(_consume(engine, "a", 20))
         await asyncio.sleep(0.05)

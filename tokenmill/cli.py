@@ -30,25 +30,53 @@ def parse_kv_cache_memory(text: str) -> tuple[int | None, int | None]:
     return int(float(m.group(1)) * _SIZE_UNITS[unit]), None
 
 
+# Engine flags: (flag, option of EngineConfig.from_options, argparse keywords). Every default
+# is the config dataclasses' own (shown in --help); a flag left out is not passed on at all.
+_ENGINE_FLAGS: list[tuple[str, str, dict]] = [
+    ("--device", "device", dict(help="cpu or cuda")),
+    ("--dtype", "dtype", dict(choices=["float32", "bfloat16", "float16"],
+                              help="compute dtype (unset: float32 on CPU, bfloat16 on CUDA)")),
+    ("--kv-cache-memory", "kv_cache_memory", dict(
+        type=parse_kv_cache_memory, help="KV cache size in bytes (4GiB, 512MB) or blocks "
+                                         "(2048blocks); unset: derived from free memory")),
+    ("--block-size", "block_size", dict(type=int, help="tokens per KV block")),
+    ("--max-num-seqs", "max_num_seqs", dict(type=int, help="sequences running at once")),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", dict(
+        type=int, help="token budget of one step")),
+    ("--max-model-len", "max_model_len", dict(type=int, help="context length (unset: the "
+                                                             "model's)")),
+    ("--scheduling-policy", "policy", dict(
+        choices=["fcfs", "priority", "lpm"],
+        help="lpm: longest cached prefix first (falls back to fcfs past 128 waiting)")),
+    ("--no-prefix-cache", "enable_prefix_caching", dict(
+        action="store_const", const=False, help="turn off automatic prefix caching")),
+    ("--seed", "seed", dict(type=int, help="seed the sampling of requests that give no seed "
+                                           "of their own, reproducibly (unset: random)")),
+]
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.config import engine_option_default
+
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help=f"a .gguf file, a Hugging Face directory or a known name "
                         f"(default: {DEFAULT_MODEL})")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--kv-cache-memory", type=parse_kv_cache_memory, default=(None, None),
-                   help="KV cache size in bytes (4GiB, 512MB) or blocks (2048blocks); "
-                        "default: derived from free memory")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "lpm"],
-                   help="lpm: longest cached prefix first (falls back to fcfs past 128 waiting)")
-    p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
-                   help="turn off automatic prefix caching (on by default)")
-    p.add_argument("--seed", type=int, default=0)
+    for flag, option, spec in _ENGINE_FLAGS:
+        kwargs = dict(spec)
+        default = engine_option_default(option)
+        if default is not None and kwargs.get("action") != "store_const":
+            kwargs["help"] += f" (default: {default})"
+        p.add_argument(flag, dest=option, default=None, **kwargs)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine flags the user gave, as ``EngineConfig.from_options`` keywords."""
+    options = {option: getattr(args, option) for _, option, _ in _ENGINE_FLAGS
+               if getattr(args, option) is not None}
+    if "kv_cache_memory" in options:  # "4GiB" -> bytes, "2048blocks" -> a block count
+        size, blocks = options.pop("kv_cache_memory")
+        options.update({"kv_cache_memory": size} if blocks is None else {"num_blocks": blocks})
+    return options
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -106,16 +134,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 def _make_llm(args: argparse.Namespace):
     from tokenmill.engine.llm import LLM
 
-    kv_bytes, kv_blocks = args.kv_cache_memory
     t0 = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed,
-              block_size=args.block_size, num_blocks=kv_blocks, kv_cache_memory=kv_bytes,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, policy=args.scheduling_policy,
-              enable_prefix_caching=args.enable_prefix_caching)
-    engine = llm.engine
-    print(f"tokenmill: loaded {engine.loaded.source.path} in {time.perf_counter() - t0:.1f}s; "
-          f"KV cache {engine.kv_cache_tokens} tokens", file=sys.stderr)
+    llm = LLM(args.model, **engine_options(args))
+    info = llm.engine.info
+    print(f"tokenmill: loaded {info.model} in {time.perf_counter() - t0:.1f}s; "
+          f"KV cache {info.kv_cache_tokens} tokens", file=sys.stderr)
     return llm
 
 

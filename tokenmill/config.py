@@ -6,7 +6,7 @@ boundary and turned into these; nothing below the CLI reads the environment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
@@ -87,6 +87,47 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    seed: int = 0
+    # Sampling seed of requests that bring none (derived per request from it and the arrival
+    # order); None: such requests sample nondeterministically.
+    seed: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:
+        """Flat options (``max_num_seqs=8, block_size=32, device="cpu"``, any field of this
+        class, ``CacheConfig`` or ``SchedulerConfig``) -> the nested config. Options left out
+        keep the dataclasses' defaults, the only place defaults are written."""
+        sections: dict[str | None, dict[str, Any]] = {}
+        for name, value in options.items():
+            sections.setdefault(_section_of(name), {})[name] = value
+        top = sections.pop(None, {})
+        nested = {sec: _SECTIONS[sec](**values) for sec, values in sections.items()}
+        return cls(model=model, **top, **nested)
+
+
+_SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def _section_of(option: str) -> str | None:
+    """Which config holds ``option``: None for EngineConfig itself, else a section name."""
+    if option in {f.name for f in fields(EngineConfig)} - {"model", *_SECTIONS}:
+        return None
+    for section, cls in _SECTIONS.items():
+        if option in {f.name for f in fields(cls)}:
+            return section
+    raise TypeError(f"unknown engine option {option!r}; known: {sorted(engine_option_names())}")
+
+
+def engine_option_names() -> list[str]:
+    """Every flat option ``EngineConfig.from_options`` takes (besides ``model``)."""
+    top = [f.name for f in fields(EngineConfig) if f.name not in {"model", *_SECTIONS}]
+    return top + [f.name for cls in _SECTIONS.values() for f in fields(cls)]
+
+
+def engine_option_default(option: str) -> Any:
+    """The default of one flat option, read from its dataclass (for --help texts)."""
+    section = _section_of(option)
+    cls = EngineConfig if section is None else _SECTIONS[section]
+    f = next(f for f in fields(cls) if f.name == option)
+    return f.default_factory() if f.default is MISSING else f.default

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from tokenmill.params import SamplingParams
 
@@ -52,6 +54,41 @@ def sequence_id(request_id: str, seq_index: int) -> str:
     return f"{request_id}#{seq_index}"
 
 
+class PromptError(ValueError):
+    """A prompt the engine cannot take; ``code`` and ``param`` are what an API error reports."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str = "prompt"):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+def check_prompt(token_ids: Sequence[int], max_model_len: int, vocab_size: int | None = None,
+                 param: str = "prompt") -> None:
+    """The one check of a prompt's token ids: not empty, inside the vocabulary (when its size
+    is known), and short enough to leave room for at least one generated token."""
+    if not token_ids:
+        raise PromptError(f"{param} must not be empty", param=param)
+    if vocab_size is not None:
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                              param=param)
+    if len(token_ids) >= max_model_len:
+        raise PromptError(f"This model's maximum context length is {max_model_len} tokens. "
+                          f"However, your prompt has {len(token_ids)} tokens.",
+                          code="context_length_exceeded", param=param)
+
+
+def stop_token_set(params: SamplingParams, eos_token_ids: Collection[int]) -> frozenset[int]:
+    """Tokens that end a sequence (once ``min_tokens`` were generated): its ``stop_token_ids``,
+    plus ``eos_token_ids`` unless ``ignore_eos``. The scheduler stops on exactly these and the
+    sampler's min_tokens stage masks exactly these."""
+    if params.ignore_eos:
+        return frozenset(params.stop_token_ids)
+    return frozenset((*params.stop_token_ids, *eos_token_ids))
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence: its tokens and the scheduler's bookkeeping about it.
@@ -66,7 +103,7 @@ class Request:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower value = more important (the `priority` policy)
-    eos_token_ids: tuple[int, ...] | None = None  # None: the scheduler's model-wide EOS ids
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's (set by the scheduler)
     parent_id: str | None = None  # the caller's request id when this is one of n > 1 sequences
     seq_index: int = 0
     cache_salt: str | None = None  # prefix-cache namespace: other salts never share its blocks
@@ -78,10 +115,9 @@ class Request:
     num_preemptions: int = 0
     arrival_seq: int = 0  # set by the scheduler: orders requests with equal arrival times
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission; None before
-
-    def __post_init__(self) -> None:
-        if len(self.prompt_token_ids) == 0:
-            raise ValueError(f"prompt_token_ids of request {self.request_id!r} must not be empty")
+    # Proposed continuations (speculative decoding) for the next schedule(): verified in one
+    # forward with the last known token, then cleared. Set by the engine's proposer.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def group_id(self) -> str:
@@ -108,6 +144,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """What ends this sequence: ``stop_token_set`` of its params and its EOS ids (which the
+        scheduler resolves on admission, before anything reads this)."""
+        return stop_token_set(self.sampling_params, self.eos_token_ids or ())
+
     @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.status)
@@ -127,7 +169,8 @@ class Request:
         if n == 1:
             return [self]
         return [replace(self, request_id=sequence_id(self.request_id, i), parent_id=self.request_id,
-                        seq_index=i, output_token_ids=[]) for i in range(n)]
+                        seq_index=i, output_token_ids=[], spec_token_ids=[])
+                for i in range(n)]
 
 
 @dataclass

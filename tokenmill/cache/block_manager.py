@@ -23,6 +23,15 @@ Prefix caching (``cache/radix.py``): on admission ``acquire_cached_prefix`` star
 the cached blocks of the longest matching prefix (one more reference each, the tree path
 locked); ``free`` gives a finished or preempted sequence's full blocks to the tree before
 dropping its references. Free blocks = the pool's free queue + what the tree could evict.
+
+Rollback (speculative decoding): a step may write KV for draft tokens that verification then
+rejects. ``trim`` shrinks the table back to the verified tokens and frees the blocks that held
+only rejected ones. Blocks reach the prefix cache only after that (the scheduler caches after
+trimming), so the tree never holds a rejected token's KV, and a trim never reaches into a
+shared block::
+
+    before the step   [A: 4 verified]  [B: v v v d1]  [C: d2 d3 -- --]     d = draft token
+    d1 accepted, d2 rejected -> trim to 8 tokens:  [A] [B]   C back to the free queue
 """
 
 from __future__ import annotations
@@ -99,6 +108,32 @@ class KVBlockManager:
         for _ in range(needed):
             table.append(self.pool.allocate())
         return True
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Roll the table back to cover only the first ``num_tokens`` tokens (rejected draft
+        tokens give their KV slots back); returns the number of blocks freed.
+
+        Only blocks this sequence owns alone can go or be written again: a block shared with
+        the prefix cache or a sibling (n > 1) is full and holds verified KV, so a trim that would
+        drop one, or leave one partly covered (the next write would land in it), is a bug and
+        raises ``CacheIntegrityError`` without changing anything."""
+        table = self._tables.get(request.request_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        if num_tokens < 0 or keep > len(table):
+            raise CacheIntegrityError(f"trim of {request.request_id!r} to {num_tokens} tokens, "
+                                      f"but it holds {len(table)} blocks")
+        first_writable = num_tokens // self.block_size  # the block the next token goes to
+        shared = [b for b in table[first_writable:] if self.pool.ref_count(b) != 1]
+        if shared:
+            raise CacheIntegrityError(f"trim of {request.request_id!r} to {num_tokens} tokens "
+                                      f"would drop or rewrite shared blocks {shared}")
+        dropped = table[keep:]
+        del table[keep:]
+        for block_id in reversed(dropped):
+            self.pool.free(block_id)
+        if not table:
+            del self._tables[request.request_id]
+        return len(dropped)
 
     def cacheable_prefix_len(self, request: Request) -> int:
         """Tokens a cache hit may cover: whole blocks short of the last known token, which must

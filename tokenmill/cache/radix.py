@@ -4,12 +4,14 @@
      +- [sys prompt: 4 blocks]     node key = token ids of whole blocks, value = their block ids
          +- [user A: 2 blocks]     a request matching sys + A takes 6 blocks by reference
          +- [user B: 1 block]      inserting sys + B split nothing; inserting half of sys
-                                   would split the first node in two
+                                   (or locking a match that ends inside it) would split the
+                                   first node in two; a match alone never changes the tree
 
 Ownership: the tree holds one pool reference on every block it stores; a request that uses a
 cached block holds one more (its block table), and locks the node path it matched so that the
 tree never evicts what is in use. Unlocked leaves are evicted least-recently-used, and only when
-the pool runs out of free blocks (the ``KVBlockManager`` asks).
+the pool runs out of free blocks (the ``KVBlockManager`` asks). The candidates live in a heap
+kept up to date as nodes change, so an eviction costs O(log n) per node, not a walk of the tree.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from dataclasses import dataclass, field
 from tokenmill.cache.block_pool import BlockPool, CacheIntegrityError
 
 Salt = str | None
+CacheEntry = tuple[Salt, tuple[int, ...], tuple[int, ...]]  # salt, path tokens, path blocks
+
+# The eviction heap is rebuilt once it holds this many entries per node (plus a little), so
+# stale entries cost O(nodes) memory and O(1) amortised time per push.
+_HEAP_ENTRIES_PER_NODE = 4
+_HEAP_SLACK = 64
 
 
 @dataclass(eq=False)
@@ -34,12 +42,17 @@ class _Node:
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)  # by first block
     lock_ref: int = 0  # locks on this node or any descendant
     last_access: int = 0
+    # Set once evicted: its heap entries are stale. It keeps ``parent`` so that a handle that
+    # still points at it can walk up to the locked path above it.
+    dropped: bool = False
 
 
 @dataclass(frozen=True)
 class PrefixHandle:
     """A matched prefix: ``blocks`` hold the KV of the first ``num_tokens`` tokens. The blocks
-    are only safe to use while the handle is locked (or the caller holds its own references)."""
+    are only safe to use while the handle is locked (or the caller holds its own references).
+    ``node`` is where the match ended, possibly inside it; the last block, found walking up
+    from it, is where lock and unlock start (splits keep the lower part's identity)."""
 
     num_tokens: int = 0
     blocks: tuple[int, ...] = ()
@@ -59,16 +72,21 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def match(self, token_ids: Sequence[int], salt: Salt = None) -> PrefixHandle:
-        """The longest cached prefix of ``token_ids`` (whole blocks). Takes no reference: lock
-        the handle before another allocation could evict its blocks."""
+        """The longest cached prefix of ``token_ids`` (whole blocks). Only reads the tree: no
+        split, no LRU touch, so it is safe to call speculatively (cache-aware scheduling).
+        Takes no reference: lock the handle before another allocation could evict its blocks
+        (inserts in between are fine)."""
 
     @abstractmethod
     def lock(self, handle: PrefixHandle) -> None:
-        """Protect the handle's blocks from eviction and mark them recently used."""
+        """Protect the handle's blocks from eviction and mark them recently used. May split the
+        node the match ended inside, so that a locked path ends exactly at the handle's last
+        block."""
 
     @abstractmethod
     def unlock(self, handle: PrefixHandle) -> None:
-        """Undo one ``lock``; the blocks become evictable when no lock is left."""
+        """Undo one ``lock`` (exactly the path it locked); the blocks become evictable when no
+        lock is left."""
 
     @abstractmethod
     def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: Salt = None) -> int:
@@ -95,6 +113,11 @@ class PrefixCache(ABC):
     def references(self) -> Counter[int]:
         """Pool references the cache holds, per block, after checking the tree's own invariants
         (raises ``CacheIntegrityError``). For ``check_integrity``; O(nodes)."""
+
+    @abstractmethod
+    def entries(self) -> list[CacheEntry]:
+        """One ``(salt, tokens, blocks)`` per tree node, depth first: the whole path from the
+        root to the end of that node. Read-only, O(nodes * depth); for tests and debugging."""
 
     def flush(self) -> int:
         """Drop every unlocked entry; returns the number of blocks dropped."""
@@ -130,9 +153,14 @@ class NullPrefixCache(PrefixCache):
     def references(self) -> Counter[int]:
         return Counter()
 
+    def entries(self) -> list[CacheEntry]:
+        return []
+
 
 class RadixPrefixCache(PrefixCache):
-    """The radix tree. Matching and inserting cost O(prompt length); eviction O(nodes log n)."""
+    """The radix tree. Matching and inserting cost O(prompt length), locking O(path length);
+    evicting O(log n) per node evicted (a heap of unlocked leaves whose stale entries are
+    skipped when popped)."""
 
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
@@ -141,6 +169,12 @@ class RadixPrefixCache(PrefixCache):
         self._clock = itertools.count(1)
         self._num_cached = 0
         self._num_evictable = 0
+        self._num_nodes = 0  # roots excluded
+        # (last_access, push order, node): an entry is current while its node is still an
+        # attached unlocked leaf last used at that time. Nodes are pushed when they become one
+        # or are used again, rather than the tree being searched when blocks are needed.
+        self._heap: list[tuple[int, int, _Node]] = []
+        self._pushes = itertools.count()
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -153,39 +187,60 @@ class RadixPrefixCache(PrefixCache):
     # ----- lookup -----------------------------------------------------------------------------
 
     def match(self, token_ids: Sequence[int], salt: Salt = None) -> PrefixHandle:
-        node, num_blocks, blocks = self._roots.get(salt), 0, []
+        node, blocks = self._roots.get(salt), []
         if node is None:
             return EMPTY_HANDLE
         tokens = tuple(token_ids[:len(token_ids) // self.block_size * self.block_size])
-        while num_blocks * self.block_size < len(tokens):
-            child = node.children.get(self._block(tokens, num_blocks))
+        while len(blocks) * self.block_size < len(tokens):
+            child = node.children.get(self._block(tokens, len(blocks)))
             if child is None:
                 break
-            same = self._common_blocks(child.key, tokens, num_blocks * self.block_size)
-            if same < len(child.blocks):
-                child = self._split(child, same)  # the handle must end on a node boundary
+            same = self._common_blocks(child.key, tokens, len(blocks) * self.block_size)
             node = child
-            blocks += child.blocks
-            num_blocks += same
+            blocks += child.blocks[:same]
+            if same < len(child.blocks):
+                break  # ends inside ``child``: lock() splits it, not us
         if not blocks:
             return EMPTY_HANDLE
         return PrefixHandle(len(blocks) * self.block_size, tuple(blocks), node)
 
     def lock(self, handle: PrefixHandle) -> None:
+        if not handle.blocks:
+            return
+        node, index = self._holder(handle)
+        if index + 1 < len(node.blocks):
+            node = self._split(node, index + 1)  # unlock finds the path by where it ends
         now = next(self._clock)
-        for node in self._path(handle.node):
-            if node.lock_ref == 0:
-                self._num_evictable -= len(node.blocks)
-            node.lock_ref += 1
-            node.last_access = now
+        for n in self._path(node):
+            if n.lock_ref == 0:
+                self._num_evictable -= len(n.blocks)
+            n.lock_ref += 1
+            n.last_access = now
 
     def unlock(self, handle: PrefixHandle) -> None:
-        for node in self._path(handle.node):
-            if node.lock_ref <= 0:
-                raise CacheIntegrityError(f"unlock of an unlocked prefix node {node.blocks}")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._num_evictable += len(node.blocks)
+        if not handle.blocks:
+            return
+        node, index = self._holder(handle)
+        if index + 1 < len(node.blocks) or node.lock_ref <= 0:
+            raise CacheIntegrityError(f"unlock of an unlocked prefix ending at block "
+                                      f"{handle.blocks[-1]}")
+        # An ancestor holds at least its children's locks, so none of these goes negative.
+        for n in self._path(node):
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._num_evictable += len(n.blocks)
+                self._push(n)
+
+    def _holder(self, handle: PrefixHandle) -> tuple[_Node, int]:
+        """The tree node holding the handle's last block, and that block's index in it. A split
+        only adds a node above the part it cuts, so it is ``handle.node`` or above it."""
+        last, node = handle.blocks[-1], handle.node
+        while node is not None and node.parent is not None:
+            if not node.dropped and last in node.blocks:
+                return node, node.blocks.index(last)
+            node = node.parent
+        raise CacheIntegrityError(f"prefix block {last} is no longer cached (evicted before "
+                                  "the handle was locked?)")
 
     # ----- insert -----------------------------------------------------------------------------
 
@@ -206,6 +261,7 @@ class RadixPrefixCache(PrefixCache):
             if same < len(child.blocks):
                 child = self._split(child, same)
             child.last_access = now
+            self._push(child)
             node, done = child, done + same
         return 0
 
@@ -216,44 +272,68 @@ class RadixPrefixCache(PrefixCache):
         parent.children[key[:self.block_size]] = leaf
         self._num_cached += len(blocks)
         self._num_evictable += len(blocks)
+        self._num_nodes += 1
+        self._push(leaf)
 
     def _split(self, node: _Node, num_blocks: int) -> _Node:
         """Cut ``node`` after ``num_blocks`` blocks; the new upper part is returned. The lower
-        part keeps its identity, so handles that point at it stay valid."""
+        part keeps its identity, so handles that point at it stay valid (and so do its heap
+        entries: it is still a leaf or not, last used when it was)."""
         cut = num_blocks * self.block_size
         upper = _Node(node.key[:cut], node.blocks[:num_blocks], node.parent,
                       lock_ref=node.lock_ref, last_access=node.last_access)
         node.parent.children[upper.key[:self.block_size]] = upper
         node.key, node.blocks, node.parent = node.key[cut:], node.blocks[num_blocks:], upper
         upper.children[node.key[:self.block_size]] = node
+        self._num_nodes += 1
         return upper
 
     # ----- eviction ---------------------------------------------------------------------------
 
     def evict(self, num_blocks: int) -> int:
-        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if not leaf.lock_ref]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_blocks and heap:
-            _, _, leaf = heapq.heappop(heap)
-            freed += self._drop(leaf)
-            parent = leaf.parent
-            if parent.parent is not None and not parent.children and not parent.lock_ref:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        while freed < num_blocks and self._heap:
+            last_access, _, node = heapq.heappop(self._heap)
+            if self._is_current(node, last_access):
+                freed += self._drop(node)
+        self._maybe_compact()
         return freed
 
     def _drop(self, leaf: _Node) -> int:
-        del leaf.parent.children[leaf.key[:self.block_size]]
+        parent = leaf.parent
+        del parent.children[leaf.key[:self.block_size]]
+        leaf.dropped = True
         freed = 0
         for block_id in reversed(leaf.blocks):
             freed += self.pool.ref_count(block_id) == 1  # else a request still holds it
             self.pool.free(block_id)
         self._num_cached -= len(leaf.blocks)
         self._num_evictable -= len(leaf.blocks)
+        self._num_nodes -= 1
+        self._push(parent)  # left childless, it is a candidate at its own last use
         return freed
 
-    def _leaves(self) -> list[_Node]:
-        return [n for n in self._nodes() if not n.children and n.parent is not None]
+    def _push(self, node: _Node) -> None:
+        """Make ``node`` an eviction candidate at its current ``last_access``, if it can be one."""
+        if self._evictable_leaf(node):
+            heapq.heappush(self._heap, (node.last_access, next(self._pushes), node))
+            self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Drop stale entries (and duplicates) once they far outnumber the nodes."""
+        if len(self._heap) <= _HEAP_ENTRIES_PER_NODE * self._num_nodes + _HEAP_SLACK:
+            return
+        current = {id(n): (t, k, n) for t, k, n in self._heap if self._is_current(n, t)}
+        self._heap = list(current.values())
+        heapq.heapify(self._heap)
+
+    @staticmethod
+    def _evictable_leaf(node: _Node) -> bool:
+        return (node.parent is not None and not node.dropped and not node.children
+                and node.lock_ref == 0)
+
+    def _is_current(self, node: _Node, last_access: int) -> bool:
+        return self._evictable_leaf(node) and node.last_access == last_access
 
     # ----- helpers ----------------------------------------------------------------------------
 
@@ -285,10 +365,24 @@ class RadixPrefixCache(PrefixCache):
             n += 1
         return n
 
+    # ----- introspection ----------------------------------------------------------------------
+
+    def entries(self) -> list[CacheEntry]:
+        found: list[CacheEntry] = []
+        stack = [(salt, root, (), ()) for salt, root in self._roots.items()]
+        while stack:
+            salt, node, tokens, blocks = stack.pop()
+            if node.parent is not None:
+                found.append((salt, tokens, blocks))
+            stack.extend((salt, child, tokens + child.key, blocks + tuple(child.blocks))
+                         for child in node.children.values())
+        return found
+
     def references(self) -> Counter[int]:
         held: Counter[int] = Counter()
         evictable = 0
-        for node in self._nodes():
+        nodes = self._nodes()
+        for node in nodes:
             if node.parent is None:
                 _check(not node.blocks and node.lock_ref == 0, "a root holds blocks or locks")
             else:
@@ -298,15 +392,25 @@ class RadixPrefixCache(PrefixCache):
         _check(all(c == 1 for c in held.values()), "a block is cached twice")
         _check(sum(held.values()) == self._num_cached, "cached block count is off")
         _check(evictable == self._num_evictable, "evictable block count is off")
+        _check(len(nodes) - len(self._roots) == self._num_nodes, "node count is off")
+        self._check_heap(nodes)
         return held
 
     def _check_node(self, node: _Node) -> None:
         _check(bool(node.blocks) and len(node.key) == len(node.blocks) * self.block_size,
                f"node key of {len(node.key)} tokens for {len(node.blocks)} blocks")
         _check(node.parent.children.get(node.key[:self.block_size]) is node, "orphan node")
+        _check(not node.dropped, f"evicted node {node.blocks} is still in the tree")
         _check(node.lock_ref >= 0, f"negative lock count {node.lock_ref}")
         _check(node.lock_ref >= sum(c.lock_ref for c in node.children.values()),
                "a node has fewer locks than its children")
+
+    def _check_heap(self, nodes: list[_Node]) -> None:
+        current = {id(n) for t, _, n in self._heap if self._is_current(n, t)}
+        missing = [n.blocks for n in nodes if self._evictable_leaf(n) and id(n) not in current]
+        _check(not missing, f"unlocked leaves {missing} are not eviction candidates")
+        _check(len(self._heap) <= _HEAP_ENTRIES_PER_NODE * self._num_nodes + _HEAP_SLACK,
+               f"{len(self._heap)} heap entries for {self._num_nodes} nodes")
 
 
 def make_prefix_cache(enabled: bool, pool: BlockPool, block_size: int) -> PrefixCache:

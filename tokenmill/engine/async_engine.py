@@ -20,8 +20,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tokenmill.engine.llm_engine import EngineInfo, LLMEngine
 from tokenmill.params import SamplingParams
-from tokenmill.request import RequestOutput, RequestStatus
+from tokenmill.request import RequestOutput
+from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -60,6 +62,30 @@ class EngineSnapshot:
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     num_adds_taken: int = 0  # add commands the loop has taken (admission counts the rest)
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    stream: RequestStream
+    added: asyncio.Future  # settled on the event loop once the engine took (or refused) it
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Flush:
+    done: asyncio.Future  # the number of blocks dropped, or the refusal
+
+
+_Command = _Add | _Abort | _Flush
 
 
 class StatsListener(Protocol):
@@ -110,14 +136,14 @@ class RequestStream:
 class AsyncEngine:
     """Wraps an ``LLMEngine``; call ``start()`` from inside the running event loop."""
 
-    def __init__(self, engine, max_queued_requests: int | None = None,
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
                  listener: StatsListener | None = None):
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.listener = listener
         self.snapshot = EngineSnapshot()
         self._streams: dict[str, RequestStream] = {}  # loop-thread side
-        self._commands: deque = deque()
+        self._commands: deque[_Command] = deque()
         self._cond = threading.Condition()
         self._adds_sent = 0  # event-loop side; the loop thread counts what it took
         self._adds_taken = 0
@@ -127,7 +153,19 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._step_start = 0.0
-        self._max_num_seqs = engine.scheduler_config.max_num_seqs
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Safe to use from the event loop: tokenizers are thread-safe for encode/decode."""
+        return self.engine.tokenizer
+
+    def check_prompt(self, token_ids: Sequence[int], param: str = "prompt") -> None:
+        """The engine's prompt check, callable before anything is queued."""
+        self.engine.check_prompt(token_ids, param)
 
     # ----- lifecycle ----------------------------------------------------------------------
 
@@ -171,7 +209,7 @@ class AsyncEngine:
         stream = RequestStream(self, request_id, asyncio.Queue(), RequestTimings(time.monotonic()))
         added = self._loop.create_future()
         self._adds_sent += 1
-        self._send(("add", request_id, prompt, params, priority, cache_salt, stream, added))
+        self._send(_Add(request_id, prompt, params, priority, cache_salt, stream, added))
         try:
             await added
         except asyncio.CancelledError:
@@ -193,13 +231,13 @@ class AsyncEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(_Abort(request_id))
 
     async def flush_prefix_cache(self) -> int:
         """Drop every cached prefix on the loop thread; returns the blocks dropped. Raises
         RuntimeError while requests are running or waiting."""
         done = self._loop.create_future()
-        self._send(("flush", done))
+        self._send(_Flush(done))
         return await done
 
     def _admit(self) -> None:
@@ -211,12 +249,12 @@ class AsyncEngine:
         # a consistent count: each request is either not yet taken or waiting or running.
         snap = self.snapshot
         not_taken = self._adds_sent - snap.num_adds_taken
-        queued = not_taken + snap.num_waiting + snap.num_running - self._max_num_seqs
+        queued = not_taken + snap.num_waiting + snap.num_running - self.info.max_num_seqs
         if limit is not None and queued >= limit:
             raise EngineOverloadedError(
                 f"the server is overloaded: more than {limit} requests are waiting; retry later")
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: _Command) -> None:
         with self._cond:
             self._commands.append(command)
             self._cond.notify()
@@ -249,23 +287,26 @@ class AsyncEngine:
         finally:
             self._abort_all()
 
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "abort":
-            self._finish_aborted(command[1])
-            return
-        if command[0] == "flush":
-            self._flush(command[1])
-            return
-        _, request_id, prompt, params, priority, cache_salt, stream, future = command
+    def _apply(self, command: _Command) -> None:
+        match command:
+            case _Abort(request_id):
+                self._finish_aborted(request_id)
+            case _Flush(done):
+                self._flush(done)
+            case _Add():
+                self._add(command)
+
+    def _add(self, c: _Add) -> None:
         self._adds_taken += 1
         try:
-            self.engine.add_request(request_id, prompt, params, priority=priority,
-                                    arrival_time=stream.timings.arrival, cache_salt=cache_salt)
+            self.engine.add_request(c.request_id, c.prompt, c.params, priority=c.priority,
+                                    arrival_time=c.stream.timings.arrival,
+                                    cache_salt=c.cache_salt)
         except Exception as e:
-            self._loop.call_soon_threadsafe(_settle, future, e)
+            self._loop.call_soon_threadsafe(_settle, c.added, e)
             return
-        self._streams[request_id] = stream
-        self._loop.call_soon_threadsafe(_settle, future, None)
+        self._streams[c.request_id] = c.stream
+        self._loop.call_soon_threadsafe(_settle, c.added, None)
 
     def _flush(self, future: asyncio.Future) -> None:
         try:
@@ -286,12 +327,11 @@ class AsyncEngine:
         _log_finished(request_id, stream, aborted=True)
 
     def _step(self) -> None:
-        stats = self.engine.stats
-        before_tokens, before_preempt = stats.num_generated_tokens, self.engine.num_preemptions
         self._step_start = start = time.monotonic()
         outputs = self.engine.step()
         now = time.monotonic()
-        self._mark_scheduled(start)
+        step = self.engine.last_step
+        self._mark_scheduled(step.scheduled_request_ids, start)
         deliveries = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -301,18 +341,14 @@ class AsyncEngine:
             deliveries.append((stream, output))
         self._deliver(deliveries)
         if self.listener:
-            batched = stats.iteration_tokens[-1] if stats.iteration_tokens else 0
-            self.listener.on_step(batched, stats.num_generated_tokens - before_tokens,
-                                  self.engine.num_preemptions - before_preempt)
-        if len(stats.iteration_tokens) > 1024:  # a long-running server must not grow this list
-            del stats.iteration_tokens[:-1]
+            self.listener.on_step(step.num_batched_tokens, step.num_new_tokens,
+                                  step.num_preemptions)
         self._publish()
 
-    def _mark_scheduled(self, now: float) -> None:
-        for seq in self.engine.scheduler.running:
-            stream = self._streams.get(seq.group_id)
-            if stream is not None and stream.timings.scheduled is None \
-                    and seq.status is RequestStatus.RUNNING:
+    def _mark_scheduled(self, request_ids: frozenset[str], now: float) -> None:
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.timings.scheduled is None:
                 stream.timings.scheduled = now
 
     def _record(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
@@ -339,9 +375,9 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(_put_all, deliveries)
 
     def _publish(self) -> None:
-        sched = self.engine.scheduler
-        self.snapshot = EngineSnapshot(sched.num_running, sched.num_waiting,
-                                       sched.block_manager.usage, self.engine.num_preemptions,
+        stats = self.engine.stats()
+        self.snapshot = EngineSnapshot(stats.num_running, stats.num_waiting,
+                                       stats.kv_cache_usage, stats.num_preemptions,
                                        self._adds_taken)
 
     def _abort_all(self) -> None:

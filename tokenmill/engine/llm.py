@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenmill.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.params import SamplingParams
 from tokenmill.request import RequestOutput
 
@@ -17,28 +17,19 @@ Message = Mapping[str, Any]
 class LLM:
     """Batch generation on one engine; all prompts of a call run together, continuously batched.
 
-    Keyword arguments map onto the configs: ``device``, ``dtype``, ``seed``, ``block_size``,
-    ``num_blocks``, ``kv_cache_memory`` (bytes), ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``max_model_len``, ``policy`` (``fcfs``, ``priority``, ``lpm``), ``enable_prefix_caching``.
+    Keyword options are ``EngineConfig.from_options``'s (defaults in ``tokenmill/config.py``):
+    ``device``, ``dtype``, ``seed`` (sampling seed of requests without one), ``block_size``,
+    ``num_blocks``, ``kv_cache_memory`` (bytes), ``watermark``, ``enable_prefix_caching``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``policy`` (``fcfs``,
+    ``priority``, ``lpm``). Or pass a built ``engine`` (an ``LLMEngine``) instead.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, device: str = "cpu",
-                 dtype: str | None = None, seed: int = 0, block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, policy: str = "fcfs",
-                 enable_prefix_caching: bool = True):
+    def __init__(self, model: str = DEFAULT_MODEL, *, engine=None, **options: Any):
         from tokenmill.engine.llm_engine import LLMEngine
 
-        config = EngineConfig(
-            model=model, device=device, dtype=dtype, seed=seed,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                              kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                      policy=policy))
-        self.engine = LLMEngine(config)
+        if engine is not None and options:
+            raise TypeError(f"give engine options or an engine, not both: {sorted(options)}")
+        self.engine = engine or LLMEngine.from_config(EngineConfig.from_options(model, **options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

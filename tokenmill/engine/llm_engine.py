@@ -1,73 +1,152 @@
-"""LLMEngine: the step loop. One step = schedule -> forward + sample -> update -> outputs.
+"""LLMEngine: the step loop. One step = propose -> schedule -> forward + sample -> update -> outputs.
 
-The engine owns what needs text: detokenization, stop strings, logprobs bookkeeping. The
-scheduler owns which tokens run and the KV blocks; the runner owns tensors.
+The engine is built from parts: a ``Scheduler`` (which tokens run, the KV blocks), a runner
+(tensors; anything with ``execute`` and ``forget``), a ``Tokenizer`` and, optionally, a draft
+proposer. ``LLMEngine.from_config`` builds the real ones from an ``EngineConfig``; tests build
+it with a fake runner and no torch at all. The engine owns what needs text: detokenization,
+stop strings, logprobs bookkeeping. ``AsyncEngine`` and the server use only the public surface
+below (add, abort, step, stats, info, tokenizer, check_prompt).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
-from tokenmill.config import EngineConfig
 from tokenmill.engine.output_state import RequestState
 from tokenmill.params import SamplingParams
-from tokenmill.request import FinishReason, Request, RequestOutput
-from tokenmill.sched.output import SchedulerOutput, SeqUpdate
+from tokenmill.request import FinishReason, Request, RequestOutput, check_prompt
+from tokenmill.sched.output import ModelOutput, ScheduledChunk, SchedulerOutput, SeqUpdate
+from tokenmill.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill.engine")
 
 
-@dataclass
+class Runner(Protocol):
+    """What the engine needs of a model runner (``runner.ModelRunner`` is the real one)."""
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> ModelOutput:
+        """One forward over the chunks; the accepted tokens of every chunk with logits."""
+
+    def forget(self, seq_ids: Iterable[str]) -> None:
+        """Drop per-sequence state (seeded generators) of finished sequences."""
+
+
+class DraftProposer(Protocol):
+    """Proposes continuations to verify (speculative decoding, ``spec/``)."""
+
+    def propose(self, requests: Sequence[Request]) -> Mapping[str, Sequence[int]]:
+        """Draft tokens per sequence id for the running sequences; omitted ids get none."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts about the engine that do not change while it runs."""
+
+    model: str  # the model argument, or the file it resolved to
+    vocab_size: int
+    max_model_len: int
+    kv_cache_tokens: int
+    max_num_seqs: int
+    block_size: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
+    """A snapshot of counters (totals since start) and gauges (now)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
     num_steps: int = 0
     num_prompt_tokens_computed: int = 0  # prompt tokens actually run through the model
     num_generated_tokens: int = 0
-    forward_seconds: float = 0.0  # model forward + sampling
-    step_seconds: float = 0.0  # whole step, scheduler and detokenization included
-    iteration_tokens: list[int] = field(default_factory=list, repr=False)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    forward_seconds: float = 0.0  # runner.execute: model forward + sampling
+    scheduler_seconds: float = 0.0  # schedule() + update_from_output()
+    step_seconds: float = 0.0  # whole steps, detokenization included
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the latest step did (for per-step metrics and request timings)."""
+
+    num_batched_tokens: int = 0
+    num_new_tokens: int = 0
+    num_preemptions: int = 0
+    scheduled_request_ids: frozenset[str] = frozenset()  # callers' ids that ran any token
 
 
 class LLMEngine:
-    """Synchronous engine: ``add_request`` any time, call ``step`` until nothing is left."""
+    """Synchronous engine: ``add_request`` any time, call ``step`` until nothing is left.
 
-    def __init__(self, config: EngineConfig):
+    ``seed``: requests without a seed of their own sample with one derived from it and their
+    arrival order, so the same requests in the same order give the same text however they are
+    batched; None leaves them nondeterministic.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer: Tokenizer,
+                 info: EngineInfo, *, proposer: DraftProposer | None = None,
+                 seed: int | None = None) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.info = info
+        self.proposer = proposer
+        self.seed = seed
+        self.last_step = StepInfo()
+        self._requests: dict[str, RequestState] = {}
+        self._num_added = 0
+        self._counters = dict(num_steps=0, num_prompt_tokens_computed=0,
+                              num_generated_tokens=0, forward_seconds=0.0, step_seconds=0.0)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load the model and tokenizer, size the KV cache, build runner and scheduler."""
         import torch
 
         from tokenmill.model.loader import load_model
         from tokenmill.runner.kv_cache import num_kv_blocks
         from tokenmill.runner.model_runner import ModelRunner
-        from tokenmill.sched.scheduler import Scheduler
         from tokenmill.tokenizer import load_tokenizer
 
         dtype = config.dtype or ("bfloat16" if config.device.startswith("cuda") else "float32")
-        torch.manual_seed(config.seed)
-        self.config = config
-        self.loaded = load_model(config.model, config.device, dtype)
-        self.model_config = self.loaded.config
-        self.tokenizer = load_tokenizer(config.model)
-        cache = config.cache
-        self.num_blocks = num_kv_blocks(self.model_config, cache.block_size, getattr(torch, dtype),
-                                        config.device, cache.kv_cache_memory, cache.num_blocks)
-        self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, config.device)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
-            self.model_config.eos_token_ids)
-        max_len = min(config.scheduler.max_model_len or self.model_config.max_position_embeddings,
-                      self.model_config.max_position_embeddings)
-        self.scheduler_config = replace(config.scheduler, max_model_len=max_len)
-        self.scheduler = Scheduler(self.scheduler_config, cache, num_blocks=self.num_blocks,
-                                   eos_token_ids=self.eos_token_ids)
-        self.max_model_len = max_len
-        self.stats = EngineStats()
-        self._requests: dict[str, RequestState] = {}
-
-    @property
-    def kv_cache_tokens(self) -> int:
-        return (self.num_blocks - 1) * self.config.cache.block_size  # block 0 is padding
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        loaded = load_model(config.model, config.device, dtype)
+        model, cache = loaded.config, config.cache
+        tokenizer = load_tokenizer(config.model)
+        num_blocks = num_kv_blocks(model, cache.block_size, getattr(torch, dtype), config.device,
+                                   cache.kv_cache_memory, cache.num_blocks)
+        runner = ModelRunner(loaded, num_blocks, cache.block_size, config.device)
+        max_len = min(config.scheduler.max_model_len or model.max_position_embeddings,
+                      model.max_position_embeddings)
+        scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), cache,
+                              num_blocks=num_blocks,
+                              eos_token_ids={*tokenizer.eos_token_ids, *model.eos_token_ids})
+        info = EngineInfo(str(loaded.source.path), model.vocab_size, max_len,
+                          (num_blocks - 1) * cache.block_size,  # block 0 is padding
+                          config.scheduler.max_num_seqs, cache.block_size)
+        return cls(scheduler, runner, tokenizer, info, seed=config.seed)
 
     # ----- requests ---------------------------------------------------------------------------
+
+    def check_prompt(self, token_ids: Sequence[int], param: str = "prompt") -> None:
+        """Raise ``PromptError`` (a ValueError) for a prompt ``add_request`` would refuse.
+        Reads only fixed facts, so any thread may call it."""
+        check_prompt(token_ids, self.info.max_model_len, self.info.vocab_size, param)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, priority: int = 0,
@@ -75,30 +154,25 @@ class LLMEngine:
         """Queue a request. Raises ValueError (nothing queued) for a bad prompt or one that can
         never fit the context or the KV cache. Requests with different ``cache_salt`` never
         share prefix-cache entries."""
-        params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) \
+            else (None, [int(t) for t in prompt])
+        self.check_prompt(ids)
+        params = self._seeded(params or SamplingParams())
         request = Request(request_id, ids, params, priority=priority, cache_salt=cache_salt,
                           **({} if arrival_time is None else {"arrival_time": arrival_time}))
         sequences = self.scheduler.add_request(request)
+        self._num_added += 1
         self._requests[request_id] = RequestState(request_id, text, ids, params, sequences,
                                                   self.tokenizer)
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            if not ids:
-                raise ValueError("prompt is empty")
-            return prompt, ids
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return None, ids
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        if params.seed is not None or self.seed is None or params.greedy:
+            return params
+        key = f"{self.seed}:{self._num_added}".encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        return replace(params, seed=seed)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request in any state; its KV blocks are freed at once."""
@@ -109,8 +183,22 @@ class LLMEngine:
         return bool(self._requests)
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's EOS ids (a request may bring its own)."""
+        return self.scheduler.eos_token_ids
+
+    @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
+            num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            scheduler_seconds=s.overhead_seconds_total, **self._counters)
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix; returns the blocks dropped. Refused (RuntimeError) while
@@ -124,54 +212,68 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that changed."""
         start = time.perf_counter()
+        preempted = self.scheduler.num_preemptions
+        self._propose()
         out = self.scheduler.schedule()
         self.runner.forget(out.finished_ids)
-        sampled, logprobs = self._run(out) if out.scheduled else ({}, {})
-        updates = self.scheduler.update_from_output(out, sampled)
-        outputs = self._process(updates, logprobs)
-        self.stats.num_steps += 1
-        self.stats.step_seconds += time.perf_counter() - start
+        result = self._run(out) if out.scheduled else ModelOutput()
+        updates = self.scheduler.update_from_output(out, result.token_ids)
+        outputs = self._process(updates, result.logprobs)
+        new_tokens = sum(len(u.new_token_ids) for u in updates)
+        self.last_step = StepInfo(out.num_batched_tokens, new_tokens,
+                                  self.scheduler.num_preemptions - preempted,
+                                  frozenset(c.request.group_id for c in out.scheduled))
+        self._counters["num_generated_tokens"] += new_tokens
+        self._counters["num_steps"] += 1
+        self._counters["step_seconds"] += time.perf_counter() - start
         return outputs
 
-    def _run(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, object]]:
+    def _propose(self) -> None:
+        if self.proposer is None or not self.scheduler.num_running:
+            return
+        running = list(self.scheduler.running)
+        for request in running:
+            request.spec_token_ids = []
+        drafts = self.proposer.propose(running)
+        for request in running:
+            request.spec_token_ids = list(drafts.get(request.request_id, ()))
+
+    def _run(self, out: SchedulerOutput) -> ModelOutput:
         start = time.perf_counter()
         try:
-            result = self.runner.execute(out.scheduled, self.eos_token_ids)
+            result = self.runner.execute(out.scheduled)
         except Exception:
             # Leave no sequence half-run: the step's requests are aborted, the engine lives on.
             logger.exception("model step failed; aborting the %d requests in it",
                              len(out.scheduled))
             for chunk in out.scheduled:
-                self.scheduler.abort_request(chunk.request.group_id)
+                self.abort_request(chunk.request.group_id)
             self.scheduler.update_from_output(out, {})
             raise
-        self.stats.forward_seconds += time.perf_counter() - start
-        self._count_tokens(out)
-        sampling = [c.request_id for c in out.scheduled if c.sample]
-        return dict(zip(sampling, result.token_ids)), dict(zip(sampling, result.logprobs))
+        self._counters["forward_seconds"] += time.perf_counter() - start
+        self._counters["num_prompt_tokens_computed"] += sum(
+            min(c.num_tokens, max(0, c.request.num_prompt_tokens - c.start_pos))
+            for c in out.scheduled)
+        return result
 
-    def _count_tokens(self, out: SchedulerOutput) -> None:
-        prompt = sum(min(c.num_tokens, max(0, c.request.num_prompt_tokens - c.start_pos))
-                     for c in out.scheduled)
-        self.stats.num_prompt_tokens_computed += prompt
-        self.stats.iteration_tokens.append(out.num_batched_tokens)
-
-    def _process(self, updates: list[SeqUpdate], logprobs: dict[str, object]) -> list[RequestOutput]:
+    def _process(self, updates: list[SeqUpdate],
+                 logprobs: Mapping[str, Sequence[object | None]]) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {}
         for update in updates:
-            state = self._requests.get(update.request.group_id)
+            seq = update.request
+            state = self._requests.get(seq.group_id)
             if state is None:
                 continue
-            self.stats.num_generated_tokens += len(update.new_token_ids)
-            stop = state.on_tokens(update.request, update.new_token_ids,
-                                   logprobs.get(update.request.request_id))
+            stop = state.on_tokens(seq, update.new_token_ids, logprobs.get(seq.request_id))
             if stop is not None:
-                self.scheduler.finish_request(update.request.request_id, FinishReason.STOP, stop)
+                text, kept = stop
+                dropped = len(update.new_token_ids) - kept
+                self.scheduler.finish_request(seq.request_id, FinishReason.STOP, text,
+                                              seq.num_output_tokens - dropped)
             touched[state.request_id] = state
         outputs = []
         for request_id, state in touched.items():
             output = state.output()
-            output.num_cached_tokens = state.sequences[0].num_cached_tokens or 0
             if output.finished:
                 del self._requests[request_id]
             outputs.append(output)

@@ -6,6 +6,7 @@ string is held back, so a streamed delta never has to be taken back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.params import SamplingParams
@@ -35,18 +36,24 @@ class RequestState:
             tokenizer, params.skip_special_tokens, context_ids=prompt_token_ids[-4:]))
             for s in sequences}
 
-    def on_tokens(self, seq: Request, token_ids: list[int], logprobs) -> str | None:
-        """Take a step's new tokens of one sequence; returns a stop string it just matched."""
+    def on_tokens(self, seq: Request, token_ids: list[int],
+                  logprobs: Sequence[object | None] | None) -> tuple[str, int] | None:
+        """Take a step's new tokens of one sequence (``logprobs``: one entry per token, or
+        None). Returns ``(stop string, tokens kept)`` when a stop string ends the sequence:
+        the tokens after the one that completed it are not part of the output."""
         st = self.seqs[seq.request_id]
-        before = len(st.text)
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
+            before = len(st.text)
             st.text += st.detok.add(token_id)
-        if logprobs is not None and self.params.logprobs is not None:
-            st.logprobs.append(logprobs)
-            st.cumulative_logprob += logprobs.logprob
-        if seq.is_finished:
-            st.text += st.detok.finish()
-        return self._match_stop(st, before)
+            if logprobs is not None and self.params.logprobs is not None:
+                st.logprobs.append(logprobs[i])
+                st.cumulative_logprob += logprobs[i].logprob
+            if i == len(token_ids) - 1 and seq.is_finished:
+                st.text += st.detok.finish()
+            stop = self._match_stop(st, before)
+            if stop is not None:
+                return stop, i + 1
+        return None
 
     def _match_stop(self, st: SeqText, before: int) -> str | None:
         if not self.params.stop or st.stopped_at is not None:
@@ -87,4 +94,5 @@ class RequestState:
                 cumulative_logprob=st.cumulative_logprob if logprobs is not None else None))
         finished = all(s.is_finished for s in self.sequences)
         return RequestOutput(self.request_id, self.prompt_token_ids, outs, finished=finished,
-                             prompt=self.prompt)
+                             prompt=self.prompt,
+                             num_cached_tokens=self.sequences[0].num_cached_tokens or 0)

@@ -17,7 +17,7 @@ class SeqChunk(Protocol):
     token_ids: Sequence[int]  # new tokens to compute this step
     start_pos: int  # tokens of this sequence already in the KV cache
     block_table: Sequence[int]  # covers start_pos + len(token_ids) tokens
-    sample: bool  # logits wanted at the chunk's last token
+    num_logits: int  # logits wanted at the chunk's last num_logits positions (0: none)
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Chunk:
     token_ids: Sequence[int]
     start_pos: int
     block_table: Sequence[int]
-    sample: bool = True
+    num_logits: int = 1
 
 
 @dataclass
@@ -35,7 +35,7 @@ class FlatBatch:
     input_ids: torch.Tensor  # (num_tokens,)
     positions: torch.Tensor  # (num_tokens,)
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the flat batch whose logits are computed
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are computed, in order
 
 
 def build_flat_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str,
@@ -53,10 +53,8 @@ def build_flat_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.
         table = c.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size
                      for p in range(start, start + n))
-        if all_logits:
-            logits_rows.extend(range(query_start[-1], query_start[-1] + n))
-        elif c.sample:
-            logits_rows.append(query_start[-1] + n - 1)
+        end = query_start[-1] + n
+        logits_rows.extend(range(end - (n if all_logits else c.num_logits), end))
         query_start.append(query_start[-1] + n)
         seq_lens.append(start + n)
     max_blocks = max(len(c.block_table) for c in chunks)

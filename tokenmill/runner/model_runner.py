@@ -1,5 +1,15 @@
 """ModelRunner: owns the model, its KV cache and the sampler; turns one scheduler step into one
-forward pass and one sampled token per sampling sequence."""
+forward pass and, per sequence that asked for logits, a list of accepted tokens.
+
+A chunk with ``num_logits == k + 1`` carries k draft tokens after its last known token. Every
+scored position is sampled as usual (row j sees the drafts before it as history, for penalties
+and min_tokens); the drafts are accepted while each equals the token sampled at the position
+before it, and the first sample that differs (or the one after the last draft) is appended as
+the model's own token. Sampling a position and keeping the draft only if it comes out equal is
+exactly the rejection rule for a draft that proposes one token with certainty, so greedy output
+is unchanged and sampled output keeps the model's distribution. Drafts with probabilities of
+their own (a draft model) need the general rule, which ``spec/`` brings.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +21,7 @@ from tokenmill.model.loader import LoadedModel
 from tokenmill.runner.batch import Chunk, SeqChunk, build_flat_batch
 from tokenmill.runner.kv_cache import allocate_kv_cache
 from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
+from tokenmill.sched.output import ModelOutput, ScheduledChunk
 
 
 class ModelRunner:
@@ -27,23 +38,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk], all_logits: bool = False) -> torch.Tensor:
-        """Run one step; logits (float32) for the last token of each sampling chunk, in order
-        (or for every token when ``all_logits``)."""
+        """Run one step; logits (float32) for the last ``num_logits`` positions of each chunk,
+        in order (or for every token when ``all_logits``)."""
         batch = build_flat_batch(chunks, self.block_size, self.device, all_logits)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
                           batch.logits_indices)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence, eos_token_ids: frozenset[int]) -> SamplerOutput:
-        """Forward the scheduled chunks and sample one token for each chunk with ``sample``.
-
-        ``chunks`` are the scheduler's ScheduledChunks (they carry ``request``); the result
-        lists tokens in the order of the sampling chunks."""
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> ModelOutput:
+        """Forward the scheduler's chunks; the accepted tokens of each chunk with logits."""
         logits = self.forward(chunks)
-        rows = [SamplingRow(c.request_id, c.request.sampling_params, c.request.prompt_token_ids,
-                            c.request.output_token_ids, eos_token_ids, c.request.seq_index)
-                for c in chunks if c.sample]
-        return self.sampler(logits, rows)
+        rows = sampling_rows(chunks)
+        return accept_tokens(chunks, self.sampler(logits, rows))
 
     def forget(self, seq_ids: Iterable[str]) -> None:
         """Drop per-sequence state (seeded generators) of finished sequences."""
@@ -66,3 +72,36 @@ class ModelRunner:
                 break
             chunk = Chunk([token], len(prompt_ids) + len(out) - 1, table)
         return out
+
+
+def sampling_rows(chunks: Sequence[ScheduledChunk]) -> list[SamplingRow]:
+    """One row per logits row: a chunk's j-th scored position follows its first j drafts."""
+    rows = []
+    for c in chunks:
+        r = c.request
+        drafts = c.draft_token_ids
+        for j in range(c.num_logits):
+            output = r.output_token_ids if j == 0 else [*r.output_token_ids, *drafts[:j]]
+            rows.append(SamplingRow(c.request_id, r.sampling_params, r.prompt_token_ids, output,
+                                    r.stop_token_ids, r.seq_index))
+    return rows
+
+
+def accept_tokens(chunks: Sequence[ScheduledChunk], sampled: SamplerOutput) -> ModelOutput:
+    """Per chunk: its samples up to and including the first that differs from the draft it
+    follows (all of them when every draft matched)."""
+    out = ModelOutput()
+    row = 0
+    for c in chunks:
+        if not c.num_logits:
+            continue
+        tokens = sampled.token_ids[row:row + c.num_logits]
+        kept = 1
+        for token, draft in zip(tokens, c.draft_token_ids):
+            if token != draft:
+                break
+            kept += 1
+        out.token_ids[c.request_id] = tokens[:kept]
+        out.logprobs[c.request_id] = sampled.logprobs[row:row + kept]
+        row += c.num_logits
+    return out

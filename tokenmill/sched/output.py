@@ -1,8 +1,23 @@
-"""What one scheduler step hands to the runner and gets back from it."""
+"""What one scheduler step hands to the runner and gets back from it.
+
+The step contract::
+
+    ScheduledChunk      token_ids = known tokens [start_pos, num_tokens) + draft tokens
+                        num_logits = 0 (KV only: a prefill that continues next step)
+                                   | 1 (the last known token: sample the next one)
+                                   | k + 1 (the last known token and k drafts: verify)
+    ModelOutput         per sequence that asked for logits: the accepted token ids (>= 1),
+                        with a logprobs entry per token; a verifier accepts drafts while the
+                        model agrees and then adds its own token
+    update_from_output  appends them one by one (a stop truncates the rest), rolls the KV of
+                        rejected drafts back (``KVBlockManager.trim``), and only then shares
+                        full blocks with the prefix cache
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tokenmill.request import Request
@@ -12,23 +27,49 @@ from tokenmill.request import Request
 class ScheduledChunk:
     """Tokens of one sequence to compute this step.
 
-    ``token_ids == request.all_token_ids[start_pos:start_pos + len(token_ids)]``; positions run
-    from ``start_pos``; ``block_table`` (a copy) covers at least ``start_pos + len(token_ids)``
-    tokens. When ``sample`` is True the chunk ends at the sequence's last known token and the
-    runner samples one token from its last position; otherwise it only writes KV (a prefill
-    chunk that continues next step).
+    ``token_ids[:num_known]`` equals ``request.all_token_ids[start_pos:]`` up to the chunk's
+    end; when the chunk reaches the last known token it may carry ``num_drafts`` proposed
+    tokens after it. Positions run from ``start_pos``; ``block_table`` (a copy) covers every
+    position of the chunk. Logits are wanted for the last ``num_logits`` positions: 0 (the
+    chunk only writes KV), 1 (sample the next token) or ``num_drafts + 1`` (verify drafts).
     """
 
     request_id: str  # the sequence's id: "<id>" when n == 1, "<id>#<i>" for the i-th of n
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
-    sample: bool
+    num_logits: int
     request: Request  # read-only for the runner: sampling_params, token history, seq_index
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def sample(self) -> bool:
+        """Whether the runner returns tokens for this chunk."""
+        return self.num_logits > 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts:] if self.num_drafts else []
+
+
+@dataclass
+class ModelOutput:
+    """What the runner returns for one step: for every chunk with ``num_logits > 0``, the
+    accepted tokens (at least one) and, per token, its logprobs entry (``None`` entries where
+    the request asked for none). Tokens past the scored positions are allowed (text a grammar
+    forces): they are appended like the others and their KV is computed next step."""
+
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, Sequence[object | None]] = field(default_factory=dict)
+
+    @classmethod
+    def from_tokens(cls, tokens: Mapping[str, int | Sequence[int]]) -> ModelOutput:
+        """Token ids alone (one id or a list per sequence), for fakes and tests."""
+        return cls({k: [v] if isinstance(v, int) else list(v) for k, v in tokens.items()})
 
 
 @dataclass(frozen=True)
@@ -47,8 +88,9 @@ class SeqUpdate(NamedTuple):
     """One sequence's result of a step, as ``update_from_output`` returns it."""
 
     request: Request
-    new_token_ids: list[int]
+    new_token_ids: list[int]  # appended this step: the accepted tokens, cut after a stop
     finished: bool
+    num_rejected: int = 0  # draft tokens whose KV was rolled back
 
 
 def group_by_request(updates: list[SeqUpdate]) -> dict[str, list[SeqUpdate]]:
@@ -72,6 +114,8 @@ class SchedulerStats:
     overhead_seconds_total: float  # time inside schedule() and update_from_output()
     prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV the cache had
+    num_draft_tokens: int = 0  # draft tokens scheduled for verification, total
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -3,15 +3,25 @@
 One step, as the engine drives it (never call ``schedule()`` twice without the update between)::
 
     out = scheduler.schedule()                       # decide; KV blocks are allocated here
-    sampled = runner.execute(out)                    # {request_id: token id} for chunks with sample
-    updates = scheduler.update_from_output(out, sampled)   # append, stop, free finished blocks
-    # the engine detokenizes, matches stop strings -> scheduler.finish_request(...)
+    result = runner.execute(out)                     # accepted tokens of chunks with num_logits
+    updates = scheduler.update_from_output(out, result.token_ids)  # append, stop, roll back,
+    # cache, free finished blocks; the engine detokenizes, matches stop strings and may call
+    # scheduler.finish_request(...)
 
 Each step is one flat batch under ``max_num_batched_tokens``: running sequences that need one
 token (decodes) first, then running prefills that are still in progress, then new admissions
 from the waiting queue, all in policy order. Long prompts are chunked to fit the budget.
 ``num_computed_tokens`` advances when a chunk is scheduled (the runner writes that KV during the
 step), so the next ``schedule()`` sees the new state.
+
+Several tokens per step: a running sequence whose chunk reaches its last known token may carry
+draft tokens (``Request.spec_token_ids``, set by a proposer before ``schedule()``; capped by the
+budget, ``max_tokens`` and the context, and dropped rather than preempting anyone for their
+blocks). The chunk then asks for logits at the last known token and at every draft. The runner
+returns the accepted tokens; ``update_from_output`` appends them one at a time with the stop
+checks (a stop truncates the rest), keeps the KV of the drafts that match what was accepted and
+trims the rest away (``KVBlockManager.trim``), and only then offers full blocks to the prefix
+cache, so the cache never holds a rejected token's KV.
 
 ``n > 1``: the caller's request is split into sequences ``"<id>#0" .. "<id>#<n-1>"``.
 Sequence 0 (the leader) prefills the prompt alone. In the step its prefill passes the shared
@@ -45,16 +55,24 @@ import itertools
 import operator
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 from tokenmill.cache import CacheIntegrityError, KVBlockManager, cdiv
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.request import FinishReason, Request, RequestStatus, sequence_id
+from tokenmill.request import FinishReason, Request, RequestStatus, check_prompt, sequence_id
 from tokenmill.sched.output import ScheduledChunk, SchedulerOutput, SchedulerStats, SeqUpdate
 from tokenmill.sched.policy import (LPM_MAX_WAITING, get_policy, is_prefix_aware,
                                     longest_prefix_first)
 from tokenmill.sched.queue import RequestQueue
 
 Sampled = Mapping[str, int | Sequence[int]]
+
+
+class _Planned(NamedTuple):
+    request: Request
+    start_pos: int
+    num_tokens: int  # known tokens
+    num_drafts: int  # draft tokens after them
 
 
 class _StepBatch:
@@ -64,21 +82,22 @@ class _StepBatch:
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
         self.tokens_left = token_budget
-        self.chunks: dict[str, tuple[Request, int, int]] = {}  # id -> (request, start_pos, n)
+        self.chunks: dict[str, _Planned] = {}
         self.preempted_ids: list[str] = []
 
-    def add(self, request: Request, num_tokens: int) -> None:
-        self.chunks[request.request_id] = (request, request.num_computed_tokens, num_tokens)
-        request.num_computed_tokens += num_tokens
-        self.tokens_left -= num_tokens
+    def add(self, request: Request, num_tokens: int, num_drafts: int = 0) -> None:
+        start = request.num_computed_tokens
+        self.chunks[request.request_id] = _Planned(request, start, num_tokens, num_drafts)
+        request.num_computed_tokens += num_tokens + num_drafts
+        self.tokens_left -= num_tokens + num_drafts
 
     def drop(self, request: Request) -> int:
         """Take the request's chunk out; returns its number of tokens (0 when it had none)."""
         entry = self.chunks.pop(request.request_id, None)
         if entry is None:
             return 0
-        self.tokens_left += entry[2]
-        return entry[2]
+        self.tokens_left += entry.num_tokens + entry.num_drafts
+        return entry.num_tokens + entry.num_drafts
 
 
 class Scheduler:
@@ -106,10 +125,13 @@ class Scheduler:
         self._pending_forks: dict[str, list[Request]] = {}  # leader id -> siblings awaiting fork
         self._live: dict[str, Request] = {}  # sequence id -> unfinished sequence
         self._groups: dict[str, list[Request]] = {}  # caller's request id -> its sequences
+        self._step_finished: dict[str, Request] = {}  # stopped by the latest update (not aborts)
         self._finished_ids: list[str] = []
         self._unapplied: SchedulerOutput | None = None  # scheduled, not yet updated
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # drafts scheduled for verification
+        self.num_accepted_tokens = 0  # drafts the runner accepted
         self._num_steps = 0
         self._overhead_s = 0.0
         self._last_step = (0, 0)  # (batched tokens, scheduled sequences)
@@ -121,8 +143,11 @@ class Scheduler:
         sequences = request.sequences()
         self._check_new(request, sequences)
         arrival = next(self._arrivals)
+        eos = tuple(self.eos_token_ids) if request.eos_token_ids is None else None
         for seq in sequences:
             seq.arrival_seq = arrival
+            if eos is not None:
+                seq.eos_token_ids = eos
             self._live[seq.request_id] = seq
         self._groups[request.request_id] = sequences
         leader, siblings = sequences[0], sequences[1:]
@@ -146,12 +171,21 @@ class Scheduler:
         return bool(live)
 
     def finish_request(self, request_id: str, reason: FinishReason,
-                       stop_reason: int | str | None = None) -> bool:
-        """Finish one sequence for a reason the scheduler cannot see (a matched stop string)."""
-        request = self._live.get(request_id)
+                       stop_reason: int | str | None = None,
+                       num_output_tokens: int | None = None) -> bool:
+        """Finish one sequence for a reason the scheduler cannot see (a matched stop string).
+        ``num_output_tokens`` cuts its output there first: the tokens a multi-token step
+        appended after the one that completed the stop string."""
+        request = self._live.get(request_id) or self._step_finished.get(request_id)
         if request is None:
             return False
-        self._finish(request, reason.status, stop_reason)
+        if num_output_tokens is not None and num_output_tokens < request.num_output_tokens:
+            del request.output_token_ids[num_output_tokens:]
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        if request.is_finished:  # by a stop token or length later in the same run: the stop
+            request.status, request.stop_reason = reason.status, stop_reason  # string came first
+        else:
+            self._finish(request, reason.status, stop_reason)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -174,7 +208,8 @@ class Scheduler:
             last_num_batched_tokens=self._last_step[0], last_num_scheduled=self._last_step[1],
             overhead_seconds_total=self._overhead_s,
             prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits)
+            prefix_cache_hits=self.prefix_cache_hits, num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens)
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix no sequence uses; returns the number of blocks dropped."""
@@ -188,6 +223,7 @@ class Scheduler:
             # compute nothing and leave them stuck.
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         start = time.perf_counter()
+        self._step_finished.clear()
         batch = _StepBatch(self.config.max_num_batched_tokens)
         self._schedule_running(batch)
         # Blocks were just short for the running set: admitting more would only thrash.
@@ -195,6 +231,9 @@ class Scheduler:
             self._admit_waiting(batch)
         output = self._build_output(batch)
         self._fork_shared_prompts(batch)
+        for request in self.running:  # drafts are for this step only; unused ones are stale
+            if request.spec_token_ids:
+                request.spec_token_ids = []
         self._num_steps += 1
         self._last_step = (output.num_batched_tokens, len(output.scheduled))
         self._overhead_s += time.perf_counter() - start
@@ -202,23 +241,28 @@ class Scheduler:
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled: Sampled) -> list[SeqUpdate]:
-        """Append the sampled tokens of every chunk that asked for a sample, check the stop
-        conditions that need no text, and free finished sequences' blocks at once.
+        """Append the accepted tokens of every chunk that asked for logits, check the stop
+        conditions that need no text token by token, roll back the KV of rejected drafts,
+        share newly computed full blocks with the prefix cache, and free finished sequences'
+        blocks at once.
 
-        ``sampled`` maps a sequence id to one token id or a list of (Python int) token ids. Chunks of sequences
-        aborted or finished since ``schedule()`` are skipped. Use ``group_by_request`` on the
-        result to regroup the sequences of n > 1 requests. If the runner failed, abort the
-        step's sequences first, then call this with ``{}``."""
+        ``sampled`` maps a sequence id to one token id or a list of (Python int) token ids
+        (``ModelOutput.token_ids``). Chunks of sequences aborted or finished since
+        ``schedule()`` are skipped. Use ``group_by_request`` on the result to regroup the
+        sequences of n > 1 requests. If the runner failed, abort the step's sequences first,
+        then call this with ``{}``."""
         if output is not self._unapplied:
             raise ValueError("update_from_output() takes the latest schedule() output, once")
         self._unapplied = None
         start = time.perf_counter()
-        for chunk in output.scheduled:  # prefill KV just written: share it with newcomers now
-            if chunk.num_tokens > 1 and chunk.request.status is RequestStatus.RUNNING:
+        updates = []
+        for chunk in output.scheduled:
+            if chunk.request.status is not RequestStatus.RUNNING:
+                continue
+            if chunk.sample:
+                updates.append(self._apply_tokens(chunk, _sampled_for(chunk, sampled)))
+            else:  # prefill KV just written: share it with newcomers now
                 self.block_manager.cache_computed(chunk.request)
-        updates = [self._append_tokens(chunk.request, _sampled_for(chunk, sampled))
-                   for chunk in output.scheduled
-                   if chunk.sample and chunk.request.status is RequestStatus.RUNNING]
         self._overhead_s += time.perf_counter() - start
         return updates
 
@@ -238,12 +282,27 @@ class Scheduler:
 
     def _schedule_running_one(self, request: Request, batch: _StepBatch) -> None:
         num_new = min(_remaining(request), batch.tokens_left)
-        while not self.block_manager.allocate_slots(request, num_new):
-            victim = self.running.last()  # the policy's least important, maybe `request` itself
-            self._preempt(victim, batch)
-            if victim is request:
-                return
-        batch.add(request, num_new)
+        drafts = self._num_drafts(request, num_new, batch.tokens_left)
+        # Speculation never preempts anyone: without blocks for the drafts, run without them.
+        if not (drafts and self.block_manager.allocate_slots(request, num_new + drafts)):
+            drafts = 0
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.last()  # the policy's least important, maybe `request`
+                self._preempt(victim, batch)
+                if victim is request:
+                    return
+        batch.add(request, num_new, drafts)
+
+    def _num_drafts(self, request: Request, num_new: int, tokens_left: int) -> int:
+        """How many of the request's draft tokens this step can verify: only after its last
+        known token, within the budget, and never past max_tokens or the context."""
+        if not request.spec_token_ids or num_new < _remaining(request):
+            return 0
+        room = self.max_model_len - request.num_tokens - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return max(0, min(len(request.spec_token_ids), tokens_left - num_new, room))
 
     def _admit_waiting(self, batch: _StepBatch) -> None:
         for request in self._admission_order():
@@ -287,22 +346,29 @@ class Scheduler:
         batch.preempted_ids.append(request.request_id)
         self.block_manager.free(request, request.num_computed_tokens - unscheduled)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(request)
 
     def _build_output(self, batch: _StepBatch) -> SchedulerOutput:
-        chunks = [self._chunk(request, start, n) for request, start, n in batch.chunks.values()]
+        chunks = [self._chunk(planned) for planned in batch.chunks.values()]
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(chunks, batch.token_budget - batch.tokens_left,
                                batch.preempted_ids, finished)
 
-    def _chunk(self, request: Request, start: int, num_tokens: int) -> ScheduledChunk:
+    def _chunk(self, planned: _Planned) -> ScheduledChunk:
+        request, start, num_tokens, drafts = planned
         end = start + num_tokens
+        token_ids = request.token_ids_slice(start, end)
+        if drafts:
+            token_ids += request.spec_token_ids[:drafts]
+            self.num_draft_tokens += drafts
+        num_logits = drafts + 1 if end == request.num_tokens else 0
         table = list(self.block_manager.block_table(request.request_id))
-        return ScheduledChunk(request.request_id, request.token_ids_slice(start, end), start,
-                              table, end == request.num_tokens, request)
+        return ScheduledChunk(request.request_id, token_ids, start, table, num_logits, request,
+                              drafts)
 
     # ----- n > 1: sharing the prompt ------------------------------------------------------
 
@@ -311,7 +377,7 @@ class Scheduler:
         return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     def _fork_shared_prompts(self, batch: _StepBatch) -> None:
-        for request, start, num_tokens in batch.chunks.values():
+        for request, start, num_tokens, _ in batch.chunks.values():
             siblings = self._pending_forks.get(request.request_id)
             if siblings and start + num_tokens >= self._shared_prefix_len(request):
                 del self._pending_forks[request.request_id]
@@ -330,26 +396,43 @@ class Scheduler:
 
     # ----- tokens and stopping -------------------------------------------------------------
 
-    def _append_tokens(self, request: Request, token_ids: list[int]) -> SeqUpdate:
-        new: list[int] = []
-        for token_id in token_ids:
+    def _apply_tokens(self, chunk: ScheduledChunk, token_ids: list[int]) -> SeqUpdate:
+        """One sampling chunk's result: append, roll back rejected drafts, cache, finish."""
+        request = chunk.request
+        num_known = request.num_tokens  # the chunk reached the last known token
+        new, stop = self._append_until_stop(request, token_ids)
+        drafts = chunk.draft_token_ids
+        accepted = _common_prefix_len(drafts, new)
+        self.num_accepted_tokens += accepted
+        # KV is valid for the known tokens and the drafts that match appended tokens.
+        rejected = request.num_computed_tokens - (num_known + accepted)
+        if rejected > 0:
+            request.num_computed_tokens -= rejected
+            self.block_manager.trim(request, request.num_computed_tokens)
+        if stop is not None:
+            self._finish(request, *stop)
+            self._step_finished[request.request_id] = request
+        elif chunk.num_tokens > 1:  # KV of a prompt or of accepted drafts: share it now
+            self.block_manager.cache_computed(request)
+        return SeqUpdate(request, new, request.is_finished, max(0, rejected))
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> tuple[
+            list[int], tuple[RequestStatus, int | None] | None]:
+        """Append tokens one at a time; a stop condition keeps its token and drops the rest."""
+        for i, token_id in enumerate(token_ids):
             request.output_token_ids.append(token_id)
-            new.append(token_id)
             status, stop_reason = self._check_stop(request, token_id)
             if status is not None:
-                self._finish(request, status, stop_reason)
-                break
-        return SeqUpdate(request, new, request.is_finished)
+                return token_ids[:i + 1], (status, stop_reason)
+        return token_ids, None
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None,
                                                                     int | None]:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token_id
-            eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
-            if not params.ignore_eos and token_id in eos:
-                return RequestStatus.FINISHED_STOPPED, None
+        if request.num_output_tokens >= params.min_tokens and token_id in request.stop_token_ids:
+            # The stop reason names a stop token the caller chose; EOS is reported as None.
+            reason = token_id if token_id in params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED, reason
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
         if request.num_tokens >= self.max_model_len:
@@ -388,10 +471,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_output_tokens or request.num_computed_tokens or request.is_finished:
             raise ValueError(f"request {request.request_id!r} was already run; add a fresh one")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt of {request.request_id!r} has {request.num_prompt_tokens} "
-                             f"tokens; max_model_len {self.max_model_len} leaves no room to "
-                             "generate")
+        check_prompt(request.prompt_token_ids, self.max_model_len)
         self._check_fits(request)
 
     def _check_fits(self, request: Request) -> None:
@@ -418,6 +498,9 @@ class Scheduler:
                  "a sequence that is not running holds blocks")
         for r in running:
             _require(r.status is RequestStatus.RUNNING, f"{r.request_id} in running is {r.status}")
+            # After an update KV exists only for verified tokens, and never for the newest one.
+            _require(self._unapplied is not None or r.num_computed_tokens < r.num_tokens,
+                     f"{r.request_id} has KV for {r.num_computed_tokens} of {r.num_tokens} tokens")
             blocks = len(self.block_manager.block_table(r.request_id))
             _require(blocks == cdiv(r.num_computed_tokens, self.block_size),
                      f"{r.request_id} holds {blocks} blocks for {r.num_computed_tokens} tokens")
@@ -432,12 +515,22 @@ def _remaining(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _sampled_for(chunk: ScheduledChunk, sampled: Sampled) -> list[int]:
     value = sampled.get(chunk.request_id)
     if value is None:
         raise ValueError(f"no sampled token for {chunk.request_id!r}, whose chunk asked for one")
     # operator.index also accepts numpy / 0-d tensor ints and turns them into Python ints.
-    tokens = list(value) if isinstance(value, Sequence) else [operator.index(value)]
+    tokens = ([operator.index(v) for v in value] if isinstance(value, Sequence)
+              else [operator.index(value)])
     if not tokens:
         raise ValueError(f"empty sampled token list for {chunk.request_id!r}")
     return tokens

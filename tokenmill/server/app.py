@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest)
@@ -35,7 +36,7 @@ class ServerSettings:
     shutdown_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
 
 
-def create_app(engine, settings: ServerSettings) -> FastAPI:
+def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     """An app serving ``engine`` (an ``LLMEngine``); its loop starts with the app's lifespan."""
     metrics = ServerMetrics(settings.model_name)
     async_engine = AsyncEngine(engine, settings.max_queued_requests, listener=metrics)
@@ -47,7 +48,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         async_engine.start()
         logger.info("tokenmill %s serving %s at http://%s:%d (KV cache %d tokens, "
                     "max_model_len %d)", tokenmill.__version__, settings.model_name,
-                    settings.host, settings.port, engine.kv_cache_tokens, engine.max_model_len)
+                    settings.host, settings.port, engine.info.kv_cache_tokens,
+                    engine.info.max_model_len)
         yield
         logger.info("shutting down: finishing running requests (up to %.0fs)",
                     settings.shutdown_timeout)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
                                            EngineUnavailableError, RequestStream)
 from tokenmill.params import SamplingParams
-from tokenmill.request import RequestOutput
+from tokenmill.request import PromptError, RequestOutput
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatMessage,
                                        CompletionRequest, _SamplingFields)
 from tokenmill.tokenizer import ChatTemplateError
@@ -42,10 +42,10 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.kv_cache_tokens = engine.engine.kv_cache_tokens
-        self.vocab_size = engine.engine.model_config.vocab_size
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.info.max_model_len
+        self.kv_cache_tokens = engine.info.kv_cache_tokens
+        self.vocab_size = engine.info.vocab_size
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
 
     def _token_text(self, token_id: int) -> str:
@@ -84,21 +84,12 @@ class OpenAIServing:
         return [self._prompt(p, "prompt") for p in items]
 
     def _prompt(self, prompt: str | list[int], param: str) -> _Prompt:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        else:
-            ids, text = list(prompt), None
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise APIError(400, f"token id {bad[0]} is outside the vocabulary "
-                               f"[0, {self.vocab_size})", param=param, code="invalid_value")
-        if not ids:
-            raise APIError(400, f"{param} must not be empty", param=param, code="invalid_value")
-        if len(ids) >= self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
-                           f"tokens. However, your prompt has {len(ids)} tokens.", param=param,
-                           code="context_length_exceeded")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        try:
+            self.engine.check_prompt(ids, param)
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
         return _Prompt(text, ids)
 
     # ----- /v1/chat/completions -------------------------------------------------------------
