@@ -115,8 +115,9 @@ class Request:
     num_preemptions: int = 0
     arrival_seq: int = 0  # set by the scheduler: orders requests with equal arrival times
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission; None before
-    # Proposed continuations (speculative decoding) for the next schedule(): verified in one
-    # forward with the last known token, then cleared. Set by the engine's proposer.
+    # Proposed continuations (speculative decoding) for the next schedule(), set by the
+    # engine's proposer: verified in one forward after the last known token, and cleared when
+    # the sequence's chunk is scheduled (unused ones too) or it is preempted.
     spec_token_ids: list[int] = field(default_factory=list)
 
     @property

@@ -42,6 +42,9 @@ class LogitsProcessor(ABC):
     """One stage of logits processing, applied to the rows that use it, batched."""
 
     name: str
+    # Only rows that sample (not greedy ones) can use it. The sampler runs these after the
+    # others, on the sampled rows gathered once, rather than gathering per processor.
+    sampled_only: bool = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -67,15 +70,17 @@ def default_processors() -> list[LogitsProcessor]:
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow],
-                   processors: Sequence[LogitsProcessor] | None = None) -> torch.Tensor:
+                   processors: Sequence[LogitsProcessor] | None = None,
+                   owned: bool = False) -> torch.Tensor:
     """Apply ``processors`` (default: ``default_processors()``) in order; ``logits`` is not
-    written. Returns ``logits`` itself when no processor applies to any row."""
+    written unless ``owned`` (the caller's own copy). Returns ``logits`` itself when no
+    processor applies to any row."""
     x = logits
     for proc in default_processors() if processors is None else processors:
         indices = proc.rows(rows)
         if not indices:
             continue
-        if x is logits:  # the first processor that applies: copy once, then work in place
+        if x is logits and not owned:  # the first that applies: copy once, then in place
             x = logits.clone()
         x = proc.apply(x, [rows[i] for i in indices], indices)
     return x
@@ -256,6 +261,7 @@ def _padded_ids(token_ids: Sequence[Sequence[int]], pad: int) -> torch.Tensor | 
 
 class Temperature(LogitsProcessor):
     name = "temperature"
+    sampled_only = True
 
     def rows(self, rows: Sequence[SamplingRow]) -> list[int]:
         return [i for i, r in enumerate(rows)
@@ -276,6 +282,7 @@ def apply_temperature(logits: torch.Tensor, temperature: Sequence[float]) -> tor
 
 class TopKTopP(LogitsProcessor):
     name = "top_k_top_p"
+    sampled_only = True
 
     def rows(self, rows: Sequence[SamplingRow]) -> list[int]:
         return [i for i, r in enumerate(rows)
@@ -370,6 +377,7 @@ def _nucleus_cutoff(logits: torch.Tensor, descending: torch.Tensor, k_cutoff: to
 
 class MinP(LogitsProcessor):
     name = "min_p"
+    sampled_only = True
 
     def rows(self, rows: Sequence[SamplingRow]) -> list[int]:
         return [i for i, r in enumerate(rows) if not r.params.greedy and r.params.min_p > 0.0]

@@ -17,7 +17,8 @@ Per row (vLLM / HF semantics):
 
 Steps 1-7 are ``LogitsProcessor`` objects (``logits_processors.py``), applied in this order by
 ``process_logits``; ``Sampler(processors=...)`` takes another list. Each runs batched over the
-rows that use it and is skipped when none does. The caller's logits tensor is never written:
+rows that use it and is skipped when none does; the sampled-only stages 5-7 run after the greedy
+rows took their argmax, on the sampled rows gathered once. The caller's logits tensor is never written:
 it is copied once, just before the first processor that applies (a plain greedy batch is a
 single argmax, with no copy).
 
@@ -87,6 +88,12 @@ class Sampler:
         self._seed = seed  # of the generator shared by unseeded rows; None: nondeterministic
         self.processors: tuple[LogitsProcessor, ...] = tuple(
             default_processors() if processors is None else processors)
+        # Sampled-only stages that end the list run on the sampled rows gathered once; a list
+        # that interleaves them runs every stage over the whole batch, in its order.
+        tail = len(self.processors)
+        while tail and self.processors[tail - 1].sampled_only:
+            tail -= 1
+        self._all_rows, self._sampled_rows = self.processors[:tail], self.processors[tail:]
         self._shared: dict[torch.device, torch.Generator] = {}
         self._seeded: dict[str, torch.Generator] = {}
 
@@ -97,7 +104,8 @@ class Sampler:
         if not rows:
             return SamplerOutput([], [])
         logits = logits.float()
-        tokens = self._choose(process_logits(logits, rows, self.processors), rows)
+        x = process_logits(logits, rows, self._all_rows)
+        tokens = self._choose(x, rows, owned=x is not logits)
         logprobs = compute_logprobs(logits, tokens, [r.params.logprobs for r in rows])
         return SamplerOutput(tokens.tolist(), logprobs)
 
@@ -106,19 +114,23 @@ class Sampler:
         for seq_id in seq_ids:
             self._seeded.pop(seq_id, None)
 
-    def _choose(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _choose(self, x: torch.Tensor, rows: Sequence[SamplingRow],
+                owned: bool) -> torch.Tensor:
+        """Greedy rows: argmax of ``x``; sampled rows: the sampled-only stages, then a draw.
+        ``owned``: ``x`` is the sampler's own copy (written in place), not the caller's."""
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not sampled:
             return x.argmax(dim=-1)
         if len(sampled) == len(rows):
-            return self._sample(x, rows)
+            return self._sample(x, rows, owned)
         tokens = x.argmax(dim=-1)
         idx = torch.tensor(sampled, device=x.device)
-        tokens[idx] = self._sample(x[idx], [rows[i] for i in sampled])
+        tokens[idx] = self._sample(x[idx], [rows[i] for i in sampled], owned=True)
         return tokens
 
-    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Draw from softmax(x) per row (the processed logits); ``x`` itself is not written."""
+    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow], owned: bool) -> torch.Tensor:
+        """Draw from softmax of the processed logits per row (every row here samples)."""
+        x = process_logits(x, rows, self._sampled_rows, owned)
         probs = x.softmax(dim=-1)
         # argmax(p / q) with q ~ Exp(1) is a draw from p (the exponential race), with no sync.
         return probs.div_(self._noise(probs, rows)).argmax(dim=-1)

@@ -23,9 +23,9 @@ from typing import NamedTuple
 from tokenmill.request import Request
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs 4x, per sequence per step
 class ScheduledChunk:
-    """Tokens of one sequence to compute this step.
+    """Tokens of one sequence to compute this step (read-only for everyone but the scheduler).
 
     ``token_ids[:num_known]`` equals ``request.all_token_ids[start_pos:]`` up to the chunk's
     end; when the chunk reaches the last known token it may carry ``num_drafts`` proposed

@@ -55,7 +55,6 @@ import itertools
 import operator
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import NamedTuple
 
 from tokenmill.cache import CacheIntegrityError, KVBlockManager, cdiv
 from tokenmill.config import CacheConfig, SchedulerConfig
@@ -68,11 +67,9 @@ from tokenmill.sched.queue import RequestQueue
 Sampled = Mapping[str, int | Sequence[int]]
 
 
-class _Planned(NamedTuple):
-    request: Request
-    start_pos: int
-    num_tokens: int  # known tokens
-    num_drafts: int  # draft tokens after them
+# One planned chunk: (request, start_pos, known tokens, draft tokens after them). A plain
+# tuple: a NamedTuple costs a Python-level __new__ per sequence per step.
+_Planned = tuple[Request, int, int, int]
 
 
 class _StepBatch:
@@ -87,7 +84,7 @@ class _StepBatch:
 
     def add(self, request: Request, num_tokens: int, num_drafts: int = 0) -> None:
         start = request.num_computed_tokens
-        self.chunks[request.request_id] = _Planned(request, start, num_tokens, num_drafts)
+        self.chunks[request.request_id] = (request, start, num_tokens, num_drafts)
         request.num_computed_tokens += num_tokens + num_drafts
         self.tokens_left -= num_tokens + num_drafts
 
@@ -96,8 +93,9 @@ class _StepBatch:
         entry = self.chunks.pop(request.request_id, None)
         if entry is None:
             return 0
-        self.tokens_left += entry.num_tokens + entry.num_drafts
-        return entry.num_tokens + entry.num_drafts
+        scheduled = entry[2] + entry[3]
+        self.tokens_left += scheduled
+        return scheduled
 
 
 class Scheduler:
@@ -231,9 +229,6 @@ class Scheduler:
             self._admit_waiting(batch)
         output = self._build_output(batch)
         self._fork_shared_prompts(batch)
-        for request in self.running:  # drafts are for this step only; unused ones are stale
-            if request.spec_token_ids:
-                request.spec_token_ids = []
         self._num_steps += 1
         self._last_step = (output.num_batched_tokens, len(output.scheduled))
         self._overhead_s += time.perf_counter() - start
@@ -259,7 +254,7 @@ class Scheduler:
         for chunk in output.scheduled:
             if chunk.request.status is not RequestStatus.RUNNING:
                 continue
-            if chunk.sample:
+            if chunk.num_logits:
                 updates.append(self._apply_tokens(chunk, _sampled_for(chunk, sampled)))
             else:  # prefill KV just written: share it with newcomers now
                 self.block_manager.cache_computed(chunk.request)
@@ -282,7 +277,8 @@ class Scheduler:
 
     def _schedule_running_one(self, request: Request, batch: _StepBatch) -> None:
         num_new = min(_remaining(request), batch.tokens_left)
-        drafts = self._num_drafts(request, num_new, batch.tokens_left)
+        drafts = self._num_drafts(request, num_new, batch.tokens_left) \
+            if request.spec_token_ids else 0
         # Speculation never preempts anyone: without blocks for the drafts, run without them.
         if not (drafts and self.block_manager.allocate_slots(request, num_new + drafts)):
             drafts = 0
@@ -362,9 +358,10 @@ class Scheduler:
         request, start, num_tokens, drafts = planned
         end = start + num_tokens
         token_ids = request.token_ids_slice(start, end)
-        if drafts:
+        if request.spec_token_ids:  # proposed for this step: used now or never
             token_ids += request.spec_token_ids[:drafts]
             self.num_draft_tokens += drafts
+            request.spec_token_ids = []
         num_logits = drafts + 1 if end == request.num_tokens else 0
         table = list(self.block_manager.block_table(request.request_id))
         return ScheduledChunk(request.request_id, token_ids, start, table, num_logits, request,
@@ -401,20 +398,21 @@ class Scheduler:
         request = chunk.request
         num_known = request.num_tokens  # the chunk reached the last known token
         new, stop = self._append_until_stop(request, token_ids)
-        drafts = chunk.draft_token_ids
-        accepted = _common_prefix_len(drafts, new)
-        self.num_accepted_tokens += accepted
-        # KV is valid for the known tokens and the drafts that match appended tokens.
-        rejected = request.num_computed_tokens - (num_known + accepted)
-        if rejected > 0:
-            request.num_computed_tokens -= rejected
-            self.block_manager.trim(request, request.num_computed_tokens)
+        rejected = 0
+        if chunk.num_drafts:
+            accepted = _common_prefix_len(chunk.draft_token_ids, new)
+            self.num_accepted_tokens += accepted
+            # KV is valid for the known tokens and the drafts that match appended tokens.
+            rejected = request.num_computed_tokens - (num_known + accepted)
+            if rejected:
+                request.num_computed_tokens -= rejected
+                self.block_manager.trim(request, request.num_computed_tokens)
         if stop is not None:
             self._finish(request, *stop)
             self._step_finished[request.request_id] = request
-        elif chunk.num_tokens > 1:  # KV of a prompt or of accepted drafts: share it now
+        elif len(chunk.token_ids) > 1:  # KV of a prompt or of accepted drafts: share it now
             self.block_manager.cache_computed(request)
-        return SeqUpdate(request, new, request.is_finished, max(0, rejected))
+        return SeqUpdate(request, new, stop is not None, rejected)
 
     def _append_until_stop(self, request: Request, token_ids: list[int]) -> tuple[
             list[int], tuple[RequestStatus, int | None] | None]:
@@ -429,13 +427,14 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None,
                                                                     int | None]:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens and token_id in request.stop_token_ids:
+        num_output = len(request.output_token_ids)  # the decode hot path: no properties
+        if num_output >= params.min_tokens and token_id in request.stop_token_ids:
             # The stop reason names a stop token the caller chose; EOS is reported as None.
             reason = token_id if token_id in params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED, reason
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
-        if request.num_tokens >= self.max_model_len:
+        if num_output + len(request.prompt_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 
@@ -529,8 +528,7 @@ def _sampled_for(chunk: ScheduledChunk, sampled: Sampled) -> list[int]:
     if value is None:
         raise ValueError(f"no sampled token for {chunk.request_id!r}, whose chunk asked for one")
     # operator.index also accepts numpy / 0-d tensor ints and turns them into Python ints.
-    tokens = ([operator.index(v) for v in value] if isinstance(value, Sequence)
-              else [operator.index(value)])
+    tokens = list(value) if isinstance(value, Sequence) else [operator.index(value)]
     if not tokens:
         raise ValueError(f"empty sampled token list for {chunk.request_id!r}")
     return tokens
