@@ -439,7 +439,7 @@ def run_with_tokens(tokens: list[int], eos_per_request: tuple[int, ...] | None =
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
         scheduler.update_from_output(output, {c.request_id: next(feed) for c in output.scheduled
-                                              if c.sample})
+                                              if c.num_logits})
         scheduler.check_integrity()
     assert_all_blocks_free(scheduler)
     return request

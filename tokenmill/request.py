@@ -70,14 +70,19 @@ def check_prompt(token_ids: Sequence[int], max_model_len: int, vocab_size: int |
     if not token_ids:
         raise PromptError(f"{param} must not be empty", param=param)
     if vocab_size is not None:
-        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise PromptError(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
-                              param=param)
+        check_vocabulary(token_ids, vocab_size, param)
     if len(token_ids) >= max_model_len:
         raise PromptError(f"This model's maximum context length is {max_model_len} tokens. "
                           f"However, your prompt has {len(token_ids)} tokens.",
                           code="context_length_exceeded", param=param)
+
+
+def check_vocabulary(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    """Every id names a token: raise ``PromptError`` on the first that does not."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise PromptError(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                          param=param)
 
 
 def stop_token_set(params: SamplingParams, eos_token_ids: Collection[int]) -> frozenset[int]:

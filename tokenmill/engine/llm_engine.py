@@ -232,8 +232,6 @@ class LLMEngine:
         if self.proposer is None or not self.scheduler.num_running:
             return
         running = list(self.scheduler.running)
-        for request in running:
-            request.spec_token_ids = []
         drafts = self.proposer.propose(running)
         for request in running:
             request.spec_token_ids = list(drafts.get(request.request_id, ()))

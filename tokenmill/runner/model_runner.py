@@ -21,7 +21,7 @@ from tokenmill.model.loader import LoadedModel
 from tokenmill.runner.batch import Chunk, SeqChunk, build_flat_batch
 from tokenmill.runner.kv_cache import allocate_kv_cache
 from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
-from tokenmill.sched.output import ModelOutput, ScheduledChunk
+from tokenmill.sched.output import ModelOutput, ScheduledChunk, num_matching_drafts
 
 
 class ModelRunner:
@@ -96,11 +96,7 @@ def accept_tokens(chunks: Sequence[ScheduledChunk], sampled: SamplerOutput) -> M
         if not c.num_logits:
             continue
         tokens = sampled.token_ids[row:row + c.num_logits]
-        kept = 1
-        for token, draft in zip(tokens, c.draft_token_ids):
-            if token != draft:
-                break
-            kept += 1
+        kept = num_matching_drafts(c.draft_token_ids, tokens) + 1
         out.token_ids[c.request_id] = tokens[:kept]
         out.logprobs[c.request_id] = sampled.logprobs[row:row + kept]
         row += c.num_logits

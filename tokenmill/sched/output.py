@@ -16,7 +16,7 @@ The step contract::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -47,11 +47,6 @@ class ScheduledChunk:
         return len(self.token_ids)
 
     @property
-    def sample(self) -> bool:
-        """Whether the runner returns tokens for this chunk."""
-        return self.num_logits > 0
-
-    @property
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_drafts:] if self.num_drafts else []
 
@@ -66,10 +61,16 @@ class ModelOutput:
     token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Sequence[object | None]] = field(default_factory=dict)
 
-    @classmethod
-    def from_tokens(cls, tokens: Mapping[str, int | Sequence[int]]) -> ModelOutput:
-        """Token ids alone (one id or a list per sequence), for fakes and tests."""
-        return cls({k: [v] if isinstance(v, int) else list(v) for k, v in tokens.items()})
+
+def num_matching_drafts(drafts: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading drafts equal the tokens at their positions: the drafts the runner
+    accepts, and the drafts whose KV the scheduler keeps."""
+    n = 0
+    for draft, token in zip(drafts, tokens):
+        if draft != token:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from tokenmill.cache import CacheIntegrityError, KVBlockManager, cdiv
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.request import FinishReason, Request, RequestStatus, check_prompt, sequence_id
-from tokenmill.sched.output import ScheduledChunk, SchedulerOutput, SchedulerStats, SeqUpdate
+from tokenmill.sched.output import (ScheduledChunk, SchedulerOutput, SchedulerStats, SeqUpdate,
+                                    num_matching_drafts)
 from tokenmill.sched.policy import (LPM_MAX_WAITING, get_policy, is_prefix_aware,
                                     longest_prefix_first)
 from tokenmill.sched.queue import RequestQueue
@@ -400,7 +401,7 @@ class Scheduler:
         new, stop = self._append_until_stop(request, token_ids)
         rejected = 0
         if chunk.num_drafts:
-            accepted = _common_prefix_len(chunk.draft_token_ids, new)
+            accepted = num_matching_drafts(chunk.draft_token_ids, new)
             self.num_accepted_tokens += accepted
             # KV is valid for the known tokens and the drafts that match appended tokens.
             rejected = request.num_computed_tokens - (num_known + accepted)
@@ -512,15 +513,6 @@ class Scheduler:
 
 def _remaining(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _sampled_for(chunk: ScheduledChunk, sampled: Sampled) -> list[int]:

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.request import PromptError, check_vocabulary
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest)
@@ -106,10 +107,10 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < serving.vocab_size]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary "
-                           f"[0, {serving.vocab_size})", param="tokens", code="invalid_value")
+        try:
+            check_vocabulary(req.tokens, serving.vocab_size, "tokens")
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
         return {"prompt": serving.tokenizer.decode(req.tokens)}
 
     @app.post("/flush_cache")
