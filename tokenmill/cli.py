@@ -34,8 +34,12 @@ def parse_kv_cache_memory(text: str) -> tuple[int | None, int | None]:
 # is the config dataclasses' own (shown in --help); a flag left out is not passed on at all.
 _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
     ("--device", "device", dict(help="cpu or cuda")),
-    ("--dtype", "dtype", dict(choices=["float32", "bfloat16", "float16"],
-                              help="compute dtype (unset: float32 on CPU, bfloat16 on CUDA)")),
+    ("--dtype", "dtype", dict(choices=["auto", "float32", "bfloat16", "float16"],
+                              help="compute dtype; auto: bfloat16 where the CPU (AMX, "
+                                   "AVX512-BF16) or GPU multiplies it natively, else float32")),
+    ("--attention-backend", "attention_backend", dict(
+        choices=["auto", "cpu", "torch"], help="cpu: compiled kernels reading K/V in place; "
+                                               "torch: the reference; auto: cpu where it builds")),
     ("--kv-cache-memory", "kv_cache_memory", dict(
         type=parse_kv_cache_memory, help="KV cache size in bytes (4GiB, 512MB) or blocks "
                                          "(2048blocks); unset: derived from free memory")),

@@ -86,7 +86,12 @@ class SchedulerConfig:
 class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    # "auto": bfloat16 where the hardware multiplies it natively, else float32 on a CPU
+    # (tokenmill.platform.choose_dtype); or float32 / bfloat16 / float16
+    dtype: str = "auto"
+    # "auto": "cpu" (K/V read in place by the compiled kernels) on a CPU where they build,
+    # else "torch" (the reference)
+    attention_backend: str = "auto"
     # Sampling seed of requests that bring none (derived per request from it and the arrival
     # order); None: such requests sample nondeterministically.
     seed: int | None = None

@@ -78,7 +78,10 @@ class Peer:
 
 
 class TokenmillPeer(Peer):
-    name = "tokenmill"
+    """tokenmill in the dtype it picks for the machine (``--dtype auto``), or a fixed one."""
+
+    def __init__(self, name: str = "tokenmill", dtype: str | None = None):
+        self.name, self.dtype = name, dtype
 
     def installed(self, root: Path) -> bool:
         return True
@@ -90,7 +93,7 @@ class TokenmillPeer(Peer):
         return Launch([sys.executable, "-m", "tokenmill.cli", "serve", SERVED_NAME,
                        "--host", "127.0.0.1", "--port", str(port),
                        "--kv-cache-memory", f"{KV_CACHE_GIB}GiB", "--max-model-len", str(SLOT_CTX),
-                       "--log-level", "warning"])
+                       "--log-level", "warning", *(["--dtype", self.dtype] if self.dtype else [])])
 
 
 class HFPeer(Peer):
@@ -112,7 +115,11 @@ class HFPeer(Peer):
 
 
 class VLLMPeer(Peer):
-    name = "vllm"
+    """vLLM's CPU build in the dtype it picks by default (``--dtype auto``: bf16 where the CPU
+    has it), or a fixed one (the ``vllm-fp32`` rows)."""
+
+    def __init__(self, name: str = "vllm", dtype: str | None = None):
+        self.name, self.dtype = name, dtype
 
     def _venv(self, root: Path) -> Path:
         return root / "vllm" / "venv"
@@ -180,8 +187,46 @@ class VLLMPeer(Peer):
                "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         return Launch([str(self._venv(root) / "bin" / "vllm"), "serve", str(self.model_dir(root)),
                        "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
-                       "--port", str(port), "--dtype", "float32",
-                       "--max-model-len", str(SLOT_CTX), "--uvicorn-log-level", "warning"], env)
+                       "--port", str(port), "--max-model-len", str(SLOT_CTX),
+                       "--uvicorn-log-level", "warning",
+                       *(["--dtype", self.dtype] if self.dtype else [])], env)
+
+
+# llama.cpp's CMake switch for each /proc/cpuinfo flag it can use (AMX left out: it needs the
+# kernel's permission dance and is what broke the native build on a Xeon VM)
+_GGML_ISA = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2",
+             "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
+             "avx512_bf16": "AVX512_BF16", "avx_vnni": "AVX_VNNI"}
+
+
+def llama_cpp_isa_flags() -> list[str]:
+    """``-DGGML_<ISA>=ON|OFF`` for the x86 instruction sets this CPU reports."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return [f"-DGGML_{opt}={'ON' if flag in flags else 'OFF'}" for flag, opt in _GGML_ISA.items()]
+
+
+def smoke_test(name: str, root: Path) -> None:
+    """Start a freshly installed peer and have it answer one completion, so a binary that dies
+    at start-up fails the install rather than the benchmark."""
+    import json
+
+    srv = start(name, root, 8099, root / "logs", timeout=600)
+    try:
+        body = json.dumps({"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 4}).encode()
+        req = urllib.request.Request(f"{srv.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = json.loads(r.read())["choices"][0]["text"]
+        print(f"{name}: answered a completion ({text!r})", flush=True)
+    finally:
+        srv.stop()
 
 
 class LlamaCppPeer(Peer):
@@ -208,9 +253,13 @@ class LlamaCppPeer(Peer):
             with tarfile.open(sdist) as tar:
                 tar.extractall(d, filter="data")
         build = d / "build"
+        # Not GGML_NATIVE: -march=native on a VM can name features the hypervisor does not
+        # really provide (an AMX-flagged Xeon VM gave a binary that died with SIGILL/SIGSEGV
+        # at start-up); the instruction sets are chosen from /proc/cpuinfo instead.
         _run(["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
-              "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON",
-              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+              "-DGGML_NATIVE=OFF", *llama_cpp_isa_flags(), "-DLLAMA_CURL=OFF",
+              "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
+              "-DLLAMA_BUILD_EXAMPLES=OFF"]
              + (["-G", "Ninja"] if shutil.which("ninja") else []))
         _run(["cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count())])
         built = next(build.rglob("llama-server"), None)
@@ -219,6 +268,7 @@ class LlamaCppPeer(Peer):
         if built != self._server(root):
             self._server(root).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(built, self._server(root))
+        smoke_test(self.name, root)
 
     def launch(self, root: Path, port: int) -> Launch:
         return Launch([str(self._server(root)), "--model", str(_gguf_path()),
@@ -228,8 +278,9 @@ class LlamaCppPeer(Peer):
                        "--log-disable"])
 
 
-PEERS: dict[str, Peer] = {p.name: p for p in (TokenmillPeer(), VLLMPeer(), LlamaCppPeer(),
-                                              HFPeer())}
+PEERS: dict[str, Peer] = {p.name: p for p in (
+    TokenmillPeer(), TokenmillPeer("tokenmill-fp32", "float32"), VLLMPeer(),
+    VLLMPeer("vllm-fp32", "float32"), LlamaCppPeer(), HFPeer())}
 
 
 class Running:
@@ -275,9 +326,16 @@ def start(name: str, root: Path, port: int, log_dir: Path, timeout: float = 900)
         except OSError:
             pass
         time.sleep(1)
+    code = proc.poll()
     running.stop()
     tail = log.read_text(errors="replace")[-3000:]
-    raise RuntimeError(f"{name} did not start on port {port}; log tail:\n{tail}")
+    if code is None:
+        why = f"did not answer on port {port} within {timeout:.0f} s"
+    elif code < 0:
+        why = f"died at start-up with {signal.Signals(-code).name} (exit {128 - code})"
+    else:
+        why = f"exited at start-up with code {code}"
+    raise RuntimeError(f"{name} {why}; log tail:\n{tail}")
 
 
 def stop_on_sigterm() -> None:

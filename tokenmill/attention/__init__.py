@@ -25,6 +25,29 @@ def _torch_backend() -> AttentionBackend:
     return TorchReferenceBackend()
 
 
-register_backend("torch", _torch_backend)
+def _cpu_backend() -> AttentionBackend:
+    from tokenmill.attention.cpu_paged import CpuPagedBackend
+    from tokenmill.kernels import cpu
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "register_backend"]
+    ops = cpu.load()
+    if ops is None:
+        raise ValueError("attention backend 'cpu' needs tokenmill's compiled CPU kernels, which "
+                         "could not be built here (see the log); use --attention-backend torch")
+    return CpuPagedBackend(ops)
+
+
+def default_backend(device: str) -> str:
+    """``cpu`` (K/V read in place) on a CPU where the kernels build, else ``torch``."""
+    if device.startswith("cpu"):
+        from tokenmill.kernels import cpu
+
+        if cpu.load() is not None:
+            return "cpu"
+    return "torch"
+
+
+register_backend("torch", _torch_backend)
+register_backend("cpu", _cpu_backend)
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "default_backend", "get_backend",
+           "register_backend"]

@@ -13,7 +13,7 @@ Each new token's K/V is written to the paged cache at ``slot_mapping[t]``; atten
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,9 @@ class AttentionMetadata:
     query_lens_host: list[int]
     seq_lens_host: list[int]
     block_size: int
+    block_tables_host: list[list[int]] | None = None  # unpadded, when the builder has them
+    # whatever a backend derives from this batch once per step (not per layer), by its name
+    plans: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.engine.output_state import RequestState
@@ -57,6 +57,10 @@ class EngineInfo:
     kv_cache_tokens: int
     max_num_seqs: int
     block_size: int
+    dtype: str = "float32"
+    dtype_reason: str = ""
+    attention_backend: str = "torch"
+    hardware: dict = field(default_factory=dict)  # the CPU and its instruction sets
 
 
 @dataclass(frozen=True)
@@ -117,15 +121,22 @@ class LLMEngine:
         """Load the model and tokenizer, size the KV cache, build runner and scheduler."""
         import torch
 
+        from tokenmill.attention import default_backend
         from tokenmill.model.loader import load_model
+        from tokenmill.platform import choose_dtype, configure_threads, cpu_description
         from tokenmill.runner.kv_cache import num_kv_blocks
         from tokenmill.runner.model_runner import ModelRunner
         from tokenmill.tokenizer import load_tokenizer
 
-        dtype = config.dtype or ("bfloat16" if config.device.startswith("cuda") else "float32")
+        if config.device.startswith("cpu"):
+            configure_threads()
+        dtype, dtype_reason = choose_dtype(config.device, config.dtype)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = default_backend(config.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        loaded = load_model(config.model, config.device, dtype)
+        loaded = load_model(config.model, config.device, dtype, backend)
         model, cache = loaded.config, config.cache
         tokenizer = load_tokenizer(config.model)
         num_blocks = num_kv_blocks(model, cache.block_size, getattr(torch, dtype), config.device,
@@ -138,7 +149,11 @@ class LLMEngine:
                               eos_token_ids={*tokenizer.eos_token_ids, *model.eos_token_ids})
         info = EngineInfo(str(loaded.source.path), model.vocab_size, max_len,
                           (num_blocks - 1) * cache.block_size,  # block 0 is padding
-                          config.scheduler.max_num_seqs, cache.block_size)
+                          config.scheduler.max_num_seqs, cache.block_size, dtype,
+                          dtype_reason, backend,
+                          cpu_description() if config.device.startswith("cpu") else {})
+        logger.info("compute dtype %s (%s); attention backend %s; %s", dtype, dtype_reason,
+                    backend, info.hardware or config.device)
         return cls(scheduler, runner, tokenizer, info, seed=config.seed)
 
     # ----- requests ---------------------------------------------------------------------------

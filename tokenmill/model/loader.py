@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.attention import AttentionBackend, get_backend
+from tokenmill.attention import AttentionBackend, default_backend, get_backend
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers import pack_linear_weights
@@ -33,8 +33,9 @@ class LoadedModel:
 
 
 def load_model(model: str, device: str = "cpu", dtype: str = "float32",
-               attention_backend: str = "torch") -> LoadedModel:
-    """Load ``model`` (a path or known name) onto ``device`` with weights in ``dtype``."""
+               attention_backend: str = "auto") -> LoadedModel:
+    """Load ``model`` (a path or known name) onto ``device`` with weights in ``dtype``;
+    attention by the named backend (``auto``: ``default_backend(device)``)."""
     source = resolve_model(model)
     if source.kind == "gguf":
         from tokenmill.model.gguf_file import gguf_model_config, gguf_weights, open_gguf
@@ -47,6 +48,8 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
 
         cfg = hf_model_config(source.path).with_dtype(dtype)
         weights = hf_weights(source.path)
+    if attention_backend == "auto":
+        attention_backend = default_backend(device)
     module = build_model(cfg, device, get_backend(attention_backend))
     load_weights(module, weights, str(source.path))
     pack_linear_weights(module)

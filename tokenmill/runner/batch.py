@@ -66,5 +66,6 @@ def build_flat_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.
     meta = AttentionMetadata(
         query_start_loc=t(query_start), seq_lens=t(seq_lens), block_tables=t(tables),
         slot_mapping=t(slots), query_lens_host=[len(c.token_ids) for c in chunks],
-        seq_lens_host=seq_lens, block_size=block_size)
+        seq_lens_host=seq_lens, block_size=block_size,
+        block_tables_host=[c.block_table for c in chunks])
     return FlatBatch(t(input_ids), t(positions), meta, t(logits_rows))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import signal
@@ -9,6 +10,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -92,6 +94,12 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
     @app.get("/version")
     async def version():
         return {"version": tokenmill.__version__}
+
+    @app.get("/server_info")
+    async def server_info():
+        """How this engine runs: dtype and why, attention backend, the CPU it found, sizes."""
+        return {"version": tokenmill.__version__, **dataclasses.asdict(engine.info),
+                "threads": torch.get_num_threads()}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

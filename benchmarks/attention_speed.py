@@ -1,0 +1,78 @@
+"""Attention backends timed on the default model's shapes (9 query heads, 3 KV heads, head_dim 64):
+decode batches at several context lengths, a shared-prefix decode batch (cascade), and prompt
+chunks. One layer per call; per-step cost is ~30x (the model's layers).
+
+    python3 benchmarks/attention_speed.py [--dtype float32|bfloat16] [--backends torch,cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from machine import machine  # noqa: E402  (benchmarks/machine.py)
+from test_attention import make_case  # noqa: E402  (random paged batches)
+
+from tokenmill.attention import get_backend  # noqa: E402
+from tokenmill.runner.batch import build_flat_batch  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+CASES = {
+    "decode 32 x ctx 256": dict(shapes=[(255, 1)] * 32),
+    "decode 32 x ctx 1100": dict(shapes=[(1099, 1)] * 32),
+    "decode 32 x ctx 1100, 1024 shared": dict(shapes=[(1099, 1)] * 32, shared_blocks=64),
+    "decode 1 x ctx 256": dict(shapes=[(255, 1)]),
+    "prefill 4 x 128": dict(shapes=[(0, 128)] * 4),
+    "prefill 1 x 1024": dict(shapes=[(0, 1024)]),
+    "chunk 64 after 1024 cached x 8": dict(shapes=[(1024, 64)] * 8, shared_blocks=64),
+}
+
+
+def time_call(fn, min_time: float = 0.5) -> float:
+    fn()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_time:
+        fn()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--backends", default="torch,cpu")
+    args = ap.parse_args()
+    import random
+
+    dtype = getattr(torch, args.dtype)
+    results = {"machine": machine(), "threads": torch.get_num_threads(), "dtype": args.dtype,
+               "ms_per_layer": {}}
+    for name, case in CASES.items():
+        chunks, kv, q, k, v, _ = make_case(random.Random(0), heads=HEADS, kv_heads=KV_HEADS,
+                                           head_dim=HEAD_DIM, block_size=BLOCK, dtype=dtype,
+                                           **case)
+        row = {}
+        for backend in args.backends.split(","):
+            be = get_backend(backend)
+
+            def call():
+                meta = build_flat_batch(chunks, BLOCK, "cpu").meta
+                be.forward(q, k, v, kv, meta, HEAD_DIM ** -0.5)
+
+            with torch.inference_mode():
+                row[backend] = round(time_call(call) * 1e3, 3)
+        results["ms_per_layer"][name] = row
+        print(f"{name:36} " + "  ".join(f"{b} {ms:8.3f} ms" for b, ms in row.items()), flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

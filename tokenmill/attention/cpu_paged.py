@@ -1,0 +1,131 @@
+"""CPU attention that reads K/V through the block tables in place (``kernels/csrc``).
+
+One kernel call covers the whole flat batch — decode rows, prompt chunks and chunks after a
+cached prefix — without gathering any sequence's K/V. Where several sequences of the step share
+leading KV blocks (a common system prompt through the prefix cache, or the n > 1 siblings of a
+request), the shared blocks are attended once for all of their queries (cascade attention): a
+second call reads each shared block once per tile of queries from many sequences, and its
+partial softmax state is merged with that of each sequence's own blocks.
+
+The plan (per-token key limits, cascade groups) is made once per step, on the first layer, from
+host lists; every layer then makes one or two kernel calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.attention.base import AttentionBackend, AttentionMetadata
+from tokenmill.attention.torch_ref import write_kv
+
+# Query tokens of one request computed together; a larger tile shares each K/V load more
+# widely (the shared-prefix pass) at the cost of fewer parallel work items.
+TILE = 8
+CASCADE_TILE = 16
+# Cascade only where it saves reads: at least this many sequences sharing this many blocks.
+MIN_CASCADE_SEQS = 2
+MIN_CASCADE_BLOCKS = 2
+
+
+@dataclass
+class CascadeGroup:
+    rows: list[int]  # requests (rows of the batch) sharing the prefix
+    blocks: list[int]  # the shared block ids
+
+
+@dataclass
+class AttentionPlan:
+    key_start_block: torch.Tensor  # (R,) first block each request reads in the main pass
+    key_limit: torch.Tensor  # (T,) keys visible to each query token: its position + 1
+    empty: torch.Tensor
+    # the shared-prefix pass (None when no group qualifies)
+    shared: tuple[torch.Tensor, ...] | None = None
+    groups: list[CascadeGroup] | None = None
+
+
+def find_cascade_groups(tables: list[list[int]], query_lens: list[int], seq_lens: list[int],
+                        block_size: int) -> list[CascadeGroup]:
+    """Sets of requests whose block tables start with the same blocks. Only blocks before a
+    request's first new token count (every query of the request then sees all of them)."""
+    by_first: dict[int, list[int]] = {}
+    for r, table in enumerate(tables):
+        if (seq_lens[r] - query_lens[r]) // block_size >= MIN_CASCADE_BLOCKS:
+            by_first.setdefault(table[0], []).append(r)
+    groups = []
+    for rows in by_first.values():
+        if len(rows) < MIN_CASCADE_SEQS:
+            continue
+        lead = tables[rows[0]]
+        common = min((seq_lens[r] - query_lens[r]) // block_size for r in rows)
+        for r in rows[1:]:
+            table = tables[r]
+            n = 0
+            while n < common and table[n] == lead[n]:
+                n += 1
+            common = n
+        if common >= MIN_CASCADE_BLOCKS:
+            groups.append(CascadeGroup(rows, lead[:common]))
+    return groups
+
+
+def make_plan(meta: AttentionMetadata) -> AttentionPlan:
+    q_lens, s_lens, bs = meta.query_lens_host, meta.seq_lens_host, meta.block_size
+    limits: list[int] = []
+    for q, s in zip(q_lens, s_lens):
+        limits.extend(range(s - q + 1, s + 1))
+    start_block = [0] * len(q_lens)
+    plan = AttentionPlan(key_start_block=torch.tensor(start_block),
+                         key_limit=torch.tensor(limits), empty=torch.empty(0, dtype=torch.int64))
+    tables = meta.block_tables_host
+    if tables is None or len(q_lens) < MIN_CASCADE_SEQS:
+        return plan
+    groups = find_cascade_groups(tables, q_lens, s_lens, bs)
+    if not groups:
+        return plan
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    width = max(len(g.blocks) for g in groups)
+    g_tables, g_starts, g_limits, g_rows = [], [0], [], []
+    for g in groups:
+        g_tables.append(g.blocks + [0] * (width - len(g.blocks)))
+        for r in g.rows:
+            start_block[r] = len(g.blocks)
+            g_rows.extend(range(starts[r], starts[r + 1]))
+        g_starts.append(len(g_rows))
+        g_limits.extend([len(g.blocks) * bs] * (g_starts[-1] - g_starts[-2]))
+    plan.key_start_block = torch.tensor(start_block)
+    plan.shared = (torch.tensor(g_tables), torch.tensor(g_starts),
+                   torch.zeros(len(groups), dtype=torch.int64), torch.tensor(g_limits),
+                   torch.tensor(g_rows))
+    plan.groups = groups
+    return plan
+
+
+class CpuPagedBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        plan = meta.plans.get(self.name)
+        if plan is None:
+            plan = meta.plans[self.name] = make_plan(meta)
+        k_cache, v_cache = kv_cache
+        q = q.contiguous()
+        # the two passes merge in float32; without a second pass write q's dtype directly
+        out = torch.empty(q.shape, dtype=torch.float32 if plan.shared else q.dtype)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                 plan.key_start_block, plan.key_limit, plan.empty, out, lse,
+                                 scale, False, TILE)
+        if plan.shared is not None:
+            tables, starts, key_start, limits, rows = plan.shared
+            self.ops.paged_attention(q, k_cache, v_cache, tables, starts, key_start, limits,
+                                     rows, out, lse, scale, True, CASCADE_TILE)
+            out = out.to(q.dtype)
+        return out

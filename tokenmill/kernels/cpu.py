@@ -1,0 +1,86 @@
+"""tokenmill's C++ CPU kernels (``csrc/cpu_ops.cpp``), compiled for the machine they run on.
+
+They are built with ``torch.utils.cpp_extension`` and ``-march=native`` into a cache folder whose
+name holds the torch version, the CPU's instruction sets and a hash of the source, so a build
+never runs on a CPU it was not made for (development machines change from day to day) and a
+restart loads it in a fraction of a second. ``scripts/setup.sh`` builds them
+(``python3 -m tokenmill.kernels.cpu``); a server that finds no build compiles once at start-up,
+and without a compiler every caller falls back to the PyTorch reference path.
+
+    TOKENMILL_CACHE_DIR   where builds live (default ~/.cache/tokenmill)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("tokenmill.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+
+
+def cpu_flags() -> list[str]:
+    """The x86/ARM feature flags the kernel reports for this CPU (/proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return sorted(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return []
+
+
+def build_dir() -> Path:
+    root = Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill"))
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, sys.version,
+                                    *_FLAGS, *cpu_flags()]).encode()).hexdigest()[:16]
+    return root / "kernels" / f"cpu-{key}"
+
+
+def is_built() -> bool:
+    return any(build_dir().glob("tokenmill_cpu_ops*.so"))
+
+
+@cache
+def load(build: bool = True) -> ModuleType | None:
+    """The compiled kernels, or None when they cannot be had (no compiler, a build error, or
+    ``build=False`` and none built yet); the reason is logged once."""
+    if not build and not is_built():
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.warning("no C++ compiler found: CPU kernels unavailable, using the PyTorch "
+                    "reference attention")
+        return None
+    from torch.utils import cpp_extension
+
+    path = build_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    fresh = not is_built()
+    t0 = time.perf_counter()
+    try:
+        module = cpp_extension.load(name="tokenmill_cpu_ops", sources=[str(SOURCE)],
+                                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                                    build_directory=str(path), verbose=False)
+    except Exception as exc:  # a failed build must not stop the server: fall back
+        log.warning("building the CPU kernels failed (%s): using the PyTorch reference "
+                    "attention", str(exc).strip().splitlines()[-1] if str(exc) else exc)
+        return None
+    if fresh:
+        log.info("built the CPU kernels in %.0f s (%s)", time.perf_counter() - t0, path)
+    return module
+
+
+if __name__ == "__main__":  # python3 -m tokenmill.kernels.cpu: build now (scripts/setup.sh)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sys.exit(0 if load() is not None else 1)

@@ -1,0 +1,435 @@
+// tokenmill's CPU kernels, built for the machine they run on (see tokenmill/kernels/cpu.py).
+//
+// paged_attention: causal attention of a flat batch that reads K/V through the block tables
+// in place. One work item is (request, KV head, tile of query tokens); the query heads that
+// share the KV head are computed together, so every K/V row is loaded once per tile and never
+// repeated per query head. Softmax is computed online (flash-attention style) block by block,
+// and the log-sum-exp of every (token, head) is returned, so partial results over different
+// key ranges (cascade attention: a shared prefix attended once for many sequences, then each
+// sequence's own blocks) merge exactly.
+//
+// Dot products and row updates use AVX512 or AVX2 intrinsics when the build machine has them
+// (the build is per machine, -march=native), with a scalar fallback; K/V rows are read from
+// the cache in their own dtype and widened to float32 in registers. exp() is a polynomial with
+// round-to-nearest range reduction that the compiler vectorises without -ffast-math.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kGemmRows = 8;  // rows of a tile from which the transposed-block path pays
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+// exp(x) for x <= 0 (x = -inf gives 0): 2^(x log2 e), split into an integer power of two and
+// 2^f with f in [-0.5, 0.5] (Taylor series to degree 7: relative error below 1e-8).
+inline float exp_nonpositive(float x) {
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
+  const float t = x * 1.4426950408889634f;
+  const float r = (t + 12582912.0f) - 12582912.0f;  // round to nearest integer
+  const float f = t - r;
+  float p = 1.525273380405984e-05f;
+  p = p * f + 1.5403530393381608e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.618129107628477e-03f;
+  p = p * f + 5.550410866482158e-02f;
+  p = p * f + 2.402265069591007e-01f;
+  p = p * f + 6.931471805599453e-01f;
+  p = p * f + 1.0f;
+  const int32_t n = static_cast<int32_t>(r);
+  const float y = bits_to_float(float_to_bits(p) + (static_cast<uint32_t>(n) << 23));
+  return underflow ? 0.0f : y;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// A register of float32 lanes: 16 with AVX512, 8 with AVX2, 1 without either.
+#if defined(__AVX512F__)
+struct Vec {
+  static constexpr int64_t W = 16;
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const at::BFloat16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  static Vec load(const at::Half* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  template <typename T>  // any other dtype: widened one by one
+  static Vec load(const T* p) {
+    float tmp[W];
+    load_row(p, tmp, W);
+    return load(tmp);
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Vec {
+  static constexpr int64_t W = 8;
+  __m256 v;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const at::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
+  }
+  template <typename T>  // any other dtype: widened one by one
+  static Vec load(const T* p) {
+    float tmp[W];
+    load_row(p, tmp, W);
+    return load(tmp);
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  float sum() const {
+    const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+  }
+};
+#else
+struct Vec {
+  static constexpr int64_t W = 1;
+  float v;
+  static Vec zero() { return {0.0f}; }
+  static Vec set1(float x) { return {x}; }
+  template <typename T>
+  static Vec load(const T* p) { return {static_cast<float>(*p)}; }
+  void store(float* p) const { *p = v; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
+  float sum() const { return v; }
+};
+#endif
+
+// sum_d q[d] * k[d], q in float32, k in the cache's dtype
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+  Vec acc = Vec::zero();
+  int64_t d = 0;
+  for (; d + Vec::W <= n; d += Vec::W) acc = Vec::fma(Vec::load(q + d), Vec::load(k + d), acc);
+  float s = acc.sum();
+  for (; d < n; ++d) s += q[d] * static_cast<float>(k[d]);
+  return s;
+}
+
+// acc[d] += p * v[d]
+template <typename T>
+inline void axpy(float* acc, float p, const T* v, int64_t n) {
+  const Vec pv = Vec::set1(p);
+  int64_t d = 0;
+  for (; d + Vec::W <= n; d += Vec::W)
+    Vec::fma(pv, Vec::load(v + d), Vec::load(acc + d)).store(acc + d);
+  for (; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
+}
+
+// The many-rows path (prompt tiles, the shared-prefix pass): a block's K is transposed once
+// into float32 kt[d][s], so the scores of four rows for W keys at a time are register FMAs with
+// no horizontal sums; a block's V is widened once into vb[s][d] and each row's output stays in
+// registers across the block's keys.
+template <int64_t D>
+void block_scores_gemm(const float* qbuf, const float* kt, float* sc, int64_t nrows,
+                       int64_t block_size) {
+  for (int64_t kc = 0; kc + Vec::W <= block_size; kc += Vec::W) {
+    int64_t row = 0;
+    for (; row + 4 <= nrows; row += 4) {
+      const float* q0 = qbuf + row * D;
+      Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+      for (int64_t d = 0; d < D; ++d) {
+        const Vec k = Vec::load(kt + d * block_size + kc);
+        a0 = Vec::fma(Vec::set1(q0[d]), k, a0);
+        a1 = Vec::fma(Vec::set1(q0[D + d]), k, a1);
+        a2 = Vec::fma(Vec::set1(q0[2 * D + d]), k, a2);
+        a3 = Vec::fma(Vec::set1(q0[3 * D + d]), k, a3);
+      }
+      a0.store(sc + row * block_size + kc);
+      a1.store(sc + (row + 1) * block_size + kc);
+      a2.store(sc + (row + 2) * block_size + kc);
+      a3.store(sc + (row + 3) * block_size + kc);
+    }
+    for (; row < nrows; ++row) {
+      const float* q0 = qbuf + row * D;
+      Vec a0 = Vec::zero();
+      for (int64_t d = 0; d < D; ++d)
+        a0 = Vec::fma(Vec::set1(q0[d]), Vec::load(kt + d * block_size + kc), a0);
+      a0.store(sc + row * block_size + kc);
+    }
+  }
+}
+
+template <int64_t D>
+void block_values_gemm(const float* sc, const float* vb, float* acc, int64_t nrows,
+                       int64_t nvalid, int64_t block_size) {
+  constexpr int64_t N = D / Vec::W;
+  for (int64_t row = 0; row < nrows; ++row) {
+    float* arow = acc + row * D;
+    Vec a[N];
+    for (int64_t i = 0; i < N; ++i) a[i] = Vec::load(arow + i * Vec::W);
+    for (int64_t s = 0; s < nvalid; ++s) {
+      const float p = sc[row * block_size + s];
+      if (p == 0.0f) continue;
+      const Vec pv = Vec::set1(p);
+      const float* vr = vb + s * D;
+      for (int64_t i = 0; i < N; ++i) a[i] = Vec::fma(pv, Vec::load(vr + i * Vec::W), a[i]);
+    }
+    for (int64_t i = 0; i < N; ++i) a[i].store(arow + i * Vec::W);
+  }
+}
+
+struct WorkItem {
+  int64_t req, kv_head, t0, t1;
+};
+
+template <typename T, typename O>
+void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& query_start,
+                    const at::Tensor& key_start_block, const at::Tensor& key_limit,
+                    const at::Tensor& rows, at::Tensor& out, at::Tensor& lse, double scale,
+                    bool merge, int64_t tile) {
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_reqs = query_start.size(0) - 1;
+  const int64_t table_width = block_tables.size(1);
+
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* kstart = key_start_block.data_ptr<int64_t>();
+  const int64_t* klimit = key_limit.data_ptr<int64_t>();
+  const int64_t* row_of = rows.numel() ? rows.data_ptr<int64_t>() : nullptr;
+  O* op = out.data_ptr<O>();
+  float* lp = lse.data_ptr<float>();
+  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
+  const int64_t slot_stride = num_kv_heads * head_dim;  // one token's K (or V) in the cache
+
+  std::vector<WorkItem> items;
+  for (int64_t r = 0; r < num_reqs; ++r)
+    for (int64_t t0 = qs[r]; t0 < qs[r + 1]; t0 += tile)
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        items.push_back({r, h, t0, std::min(t0 + tile, qs[r + 1])});
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf, acc, m, l, sc, tmp(head_dim), kt(head_dim * block_size),
+        vb(head_dim * block_size);
+    std::vector<int64_t> visible;
+    for (int64_t it = begin; it < end; ++it) {
+      const WorkItem& w = items[it];
+      const int64_t nrows = (w.t1 - w.t0) * group;
+      qbuf.assign(nrows * head_dim, 0.0f);
+      acc.assign(nrows * head_dim, 0.0f);
+      m.assign(nrows, kNegInf);
+      l.assign(nrows, 0.0f);
+      sc.assign(nrows * block_size, 0.0f);
+      visible.assign(nrows, 0);
+      int64_t kmax = 0;
+      for (int64_t t = w.t0; t < w.t1; ++t) {
+        const int64_t src = row_of ? row_of[t] : t;
+        kmax = std::max(kmax, klimit[t]);
+        for (int64_t g = 0; g < group; ++g) {
+          float* dst = &qbuf[((t - w.t0) * group + g) * head_dim];
+          load_row(qp + src * q_stride + (w.kv_head * group + g) * head_dim, dst, head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] *= static_cast<float>(scale);
+        }
+      }
+      const int64_t* table = tables + w.req * table_width;
+      for (int64_t b = kstart[w.req]; b * block_size < kmax && b < table_width; ++b) {
+        const int64_t base = b * block_size;
+        const int64_t nvalid = std::min(block_size, kmax - base);
+        const int64_t slot0 = table[b] * block_size;
+        const T* kblock = kp + slot0 * slot_stride + w.kv_head * head_dim;
+        const T* vblock = vp + slot0 * slot_stride + w.kv_head * head_dim;
+        for (int64_t row = 0; row < nrows; ++row)
+          visible[row] = std::max<int64_t>(0, std::min(nvalid, klimit[w.t0 + row / group] - base));
+        const bool gemm = nrows >= kGemmRows && (head_dim == 64 || head_dim == 128) &&
+                          block_size % Vec::W == 0;
+        if (gemm) {
+          for (int64_t s = 0; s < block_size; ++s) {
+            if (s < nvalid) {
+              load_row(kblock + s * slot_stride, tmp.data(), head_dim);
+              load_row(vblock + s * slot_stride, &vb[s * head_dim], head_dim);
+            } else {
+              std::fill(tmp.begin(), tmp.end(), 0.0f);
+            }
+            for (int64_t d = 0; d < head_dim; ++d) kt[d * block_size + s] = tmp[d];
+          }
+          if (head_dim == 64) block_scores_gemm<64>(qbuf.data(), kt.data(), sc.data(), nrows,
+                                                    block_size);
+          else block_scores_gemm<128>(qbuf.data(), kt.data(), sc.data(), nrows, block_size);
+        } else {
+          // each K row is read once for all the rows of the tile
+          for (int64_t s = 0; s < nvalid; ++s) {
+            const T* krow = kblock + s * slot_stride;
+            for (int64_t row = 0; row < nrows; ++row)
+              sc[row * block_size + s] = dot(&qbuf[row * head_dim], krow, head_dim);
+          }
+        }
+        // online softmax, row by row
+        for (int64_t row = 0; row < nrows; ++row) {
+          const int64_t vis = visible[row];
+          float* srow = &sc[row * block_size];
+          if (vis <= 0) {
+            for (int64_t s = 0; s < block_size; ++s) srow[s] = 0.0f;
+            continue;
+          }
+          float bmax = kNegInf;
+          for (int64_t s = 0; s < vis; ++s) bmax = std::max(bmax, srow[s]);
+          const float m_new = std::max(m[row], bmax);
+          const float alpha = exp_nonpositive(m[row] - m_new);
+          float psum = 0.0f;
+          for (int64_t s = 0; s < block_size; ++s) {
+            const float p = s < vis ? exp_nonpositive(srow[s] - m_new) : 0.0f;
+            srow[s] = p;
+            psum += p;
+          }
+          l[row] = l[row] * alpha + psum;
+          m[row] = m_new;
+          if (alpha != 1.0f) {
+            float* arow = &acc[row * head_dim];
+            for (int64_t d = 0; d < head_dim; ++d) arow[d] *= alpha;
+          }
+        }
+        if (gemm) {
+          if (head_dim == 64) block_values_gemm<64>(sc.data(), vb.data(), acc.data(), nrows,
+                                                    nvalid, block_size);
+          else block_values_gemm<128>(sc.data(), vb.data(), acc.data(), nrows, nvalid,
+                                      block_size);
+          continue;
+        }
+        // values: each V row is read once for all the rows of the tile
+        for (int64_t s = 0; s < nvalid; ++s) {
+          const T* vrow = vblock + s * slot_stride;
+          for (int64_t row = 0; row < nrows; ++row) {
+            const float p = sc[row * block_size + s];
+            if (p != 0.0f) axpy(&acc[row * head_dim], p, vrow, head_dim);
+          }
+        }
+      }
+      for (int64_t row = 0; row < nrows; ++row) {
+        const int64_t t = w.t0 + row / group;
+        const int64_t dst = row_of ? row_of[t] : t;
+        const int64_t head = w.kv_head * group + row % group;
+        float* arow = &acc[row * head_dim];
+        float new_lse = l[row] > 0.0f ? m[row] + std::log(l[row]) : kNegInf;
+        const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) arow[d] *= inv;
+        O* orow = op + dst * out_stride + head * head_dim;
+        float* lrow = lp + dst * num_heads + head;
+        if (merge && *lrow != kNegInf) {
+          // combine with the partial result already there (another key range)
+          const float old_lse = *lrow;
+          const float top = std::max(old_lse, new_lse);
+          const float w_old = std::exp(old_lse - top), w_new = std::exp(new_lse - top);
+          const float denom = w_old + w_new;
+          load_row(orow, tmp.data(), head_dim);
+          for (int64_t d = 0; d < head_dim; ++d)
+            arow[d] = (tmp[d] * w_old + arow[d] * w_new) / denom;
+          new_lse = top + std::log(denom);
+        }
+        store_row(arow, orow, head_dim);
+        *lrow = new_lse;
+      }
+    }
+  });
+}
+
+// Attention of the queries in ``q`` to the paged K/V.
+//   q               (T, H, D) float32 / bfloat16 / float16 (the cache's dtype)
+//   k_cache/v_cache (num_blocks, block_size, KVH, D)
+//   block_tables    (R, W) int64; request r reads blocks key_start_block[r] .. of its row
+//   query_start     (R + 1) int64: request r owns query tokens query_start[r] .. [r + 1] - 1
+//   key_limit       (T') int64: query token t sees keys [key_start_block[r] * block_size,
+//                   key_limit[t]) of its request (positions; causal: its own position + 1)
+//   rows            (T') int64 or empty: query token t is row rows[t] of q / out / lse
+//                   (empty: row t), so a call may cover any subset of a batch's tokens
+//   out, lse        (T, H, D) and (T, H) float32: written, or with ``merge`` combined with the
+//                   partial results they hold (lse = -inf there: nothing yet)
+//   tile            query tokens of one request computed together (sharing each K/V load)
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start,
+                     const at::Tensor& key_start_block, const at::Tensor& key_limit,
+                     const at::Tensor& rows, at::Tensor out, at::Tensor lse, double scale,
+                     bool merge, int64_t tile) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_attention: q (T, H, D) and caches (blocks, block_size, KVH, D) expected");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention: q and the caches must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q rows must be "
+              "contiguous (T, H, D)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
+                  lse.is_contiguous(), "paged_attention: caches, out and lse must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
+              "paged_attention: heads must be a multiple of KV heads, head dims equal");
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == q.size(2) &&
+                  lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+                  lse.scalar_type() == at::kFloat, "paged_attention: out/lse shapes");
+  for (const at::Tensor* t : {&block_tables, &query_start, &key_start_block, &key_limit, &rows})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "paged_attention: index tensors must be contiguous int64");
+  TORCH_CHECK(key_start_block.size(0) == query_start.size(0) - 1 &&
+                  block_tables.size(0) == key_start_block.size(0), "paged_attention: one "
+              "block table row and key start per request");
+  TORCH_CHECK(rows.numel() == 0 || rows.numel() == key_limit.numel(), "paged_attention: rows");
+  TORCH_CHECK(tile >= 1, "paged_attention: tile >= 1");
+  const bool same = out.scalar_type() == q.scalar_type();
+  TORCH_CHECK(same || out.scalar_type() == at::kFloat, "paged_attention: out is q's dtype or "
+              "float32");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
+                                  [&] {
+    if (same) {
+      attention_impl<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start,
+                                         key_start_block, key_limit, rows, out, lse, scale,
+                                         merge, tile);
+    } else {
+      attention_impl<scalar_t, float>(q, k_cache, v_cache, block_tables, query_start,
+                                      key_start_block, key_limit, rows, out, lse, scale, merge,
+                                      tile);
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "attention over paged K/V read in place");
+}

@@ -1,0 +1,84 @@
+"""What the machine offers, read at run time: the CPU and its instruction sets, the compute dtype
+that suits it, and the threads the process may use. Development and serving machines differ
+(an AVX2-only EPYC, an AVX512-BF16 EPYC, a Xeon with AMX), so nothing here is fixed in advance.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+# Extensions that decide which matmul kernels and dtypes a CPU has.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16",
+             "amx_fp16", "amx_int8")
+
+
+def _proc_cpuinfo() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model in ("unknown", ""):
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_description() -> dict[str, object]:
+    """``{"cpu": model name, "isa": [flags of ISA_FLAGS present]}``."""
+    model, flags = _proc_cpuinfo()
+    return {"cpu": model, "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
+def cpu_features() -> set[str]:
+    """Instruction sets as PyTorch's cpuinfo sees them (``avx512_bf16``, ``amx_bf16``, ...),
+    falling back to /proc/cpuinfo's flags."""
+    probe = getattr(getattr(torch._C, "_cpu", None), "_get_cpu_capability", None)
+    if probe is not None:
+        try:
+            return {k for k, v in probe().items() if v is True}
+        except Exception:  # an older torch without the probe's full dict
+            pass
+    return _proc_cpuinfo()[1]
+
+
+def choose_dtype(device: str, requested: str | None = "auto") -> tuple[str, str]:
+    """(dtype, why) for ``--dtype`` ``requested`` on ``device``. ``auto`` takes bfloat16 where
+    the hardware multiplies it natively (AMX or AVX512-BF16 on a CPU; a GPU that supports it)
+    and float32 otherwise on a CPU (float16 on an older GPU): emulated bf16 on a CPU without
+    those units is several times slower than float32."""
+    if requested not in (None, "auto"):
+        return requested, "asked for"
+    if device.startswith("cuda"):
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", "the GPU supports bfloat16"
+        return "float16", "the GPU lacks bfloat16"
+    feats = cpu_features()
+    native = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
+              if flag in feats]
+    if native:
+        return "bfloat16", f"the CPU multiplies bfloat16 natively ({', '.join(native)})"
+    return "float32", "the CPU has no native bfloat16 matrix instructions (AMX or AVX512-BF16)"
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask, so a container's or taskset's limit)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def configure_threads() -> int:
+    """One intra-op thread per usable core (torch's default counts the whole machine's physical
+    cores, which oversubscribes a process pinned to fewer)."""
+    n = usable_cores()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
