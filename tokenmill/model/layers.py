@@ -94,14 +94,27 @@ class ShardedLinear(Linear):
         default_weight_loader(param.data.narrow(0, start, size), loaded)
 
 
+def fused_ops(x: torch.Tensor, ops):
+    """The compiled CPU kernels where they pay: bfloat16/float16 on a CPU, where PyTorch runs
+    each elementwise step as several passes (float32 stays on PyTorch's fused, exact ops)."""
+    return ops if ops is not None and x.dtype != torch.float32 and x.device.type == "cpu" \
+        else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = empty_param(size)
         self.eps = eps
+        self.cpu_ops = None  # set by the loader when the CPU kernels are in use
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise ``x`` (or ``x + residual``, returning the sum as the new residual)."""
+        ops = fused_ops(x, self.cpu_ops)
+        if ops is not None:
+            out, res = ops.rms_norm(x, _NO_RESIDUAL if residual is None else residual,
+                                    self.weight, self.eps)
+            return out if residual is None else (out, res)
         if residual is not None:
             x = x + residual
             residual = x
@@ -114,7 +127,13 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+_NO_RESIDUAL = torch.empty(0)
+
+
+def silu_and_mul(x: torch.Tensor, ops=None) -> torch.Tensor:
+    ops = fused_ops(x, ops)
+    if ops is not None:
+        return ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -163,9 +182,15 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate-half RoPE of ``x`` (num_tokens, heads, head_dim); q and k heads may be stacked."""
+def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+               ops=None) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` (num_tokens, heads, head_dim); q and k heads may be stacked.
+    With the CPU kernels (bf16/fp16) ``x`` is rotated in place and returned."""
     cos, sin = cos_sin
+    ops = fused_ops(x, ops)
+    if ops is not None:
+        ops.rope_(x, cos.squeeze(1), sin.squeeze(1))
+        return x
     x1, x2 = x.float().chunk(2, dim=-1)  # (num_tokens, heads, head_dim / 2) each
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)

@@ -30,6 +30,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
+        self.cpu_ops = None  # set by the loader when the CPU kernels are in use
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -38,7 +39,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(h)  # (num_tokens, (heads + 2 * kv_heads) * head_dim)
         if self.q_norm is None:
             # q and k heads rotated together: one RoPE pass instead of two
-            qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d), rope)
+            qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d), rope,
+                            self.cpu_ops)
             q, k = qk.split([heads, kv_heads], dim=1)
         else:
             q, k, _ = qkv.split(self.split, dim=-1)
@@ -55,9 +57,10 @@ class LlamaMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = ShardedLinear(cfg.hidden_size, {0: size, 1: size}, bias=cfg.mlp_bias)
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.cpu_ops = None  # set by the loader when the CPU kernels are in use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.cpu_ops))
 
 
 class LlamaDecoderLayer(nn.Module):

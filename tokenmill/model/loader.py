@@ -50,9 +50,14 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
         weights = hf_weights(source.path)
     if attention_backend == "auto":
         attention_backend = default_backend(device)
-    module = build_model(cfg, device, get_backend(attention_backend))
+    backend = get_backend(attention_backend)
+    module = build_model(cfg, device, backend)
     load_weights(module, weights, str(source.path))
     pack_linear_weights(module)
+    ops = getattr(backend, "ops", None)  # the compiled CPU kernels also fuse the layers' steps
+    for layer in module.modules():
+        if hasattr(layer, "cpu_ops"):
+            layer.cpu_ops = ops
     return LoadedModel(module, cfg, source)
 
 

@@ -44,11 +44,11 @@ inline uint32_t float_to_bits(float f) {
   return b;
 }
 
-// exp(x) for x <= 0 (x = -inf gives 0): 2^(x log2 e), split into an integer power of two and
-// 2^f with f in [-0.5, 0.5] (Taylor series to degree 7: relative error below 1e-8).
-inline float exp_nonpositive(float x) {
+// exp(x), x clamped to [-87, 88] (below: 0): 2^(x log2 e), split into an integer power of
+// two and 2^f with f in [-0.5, 0.5] (Taylor series to degree 7: relative error below 1e-8).
+inline float exp_clamped(float x) {
   const bool underflow = x < -87.0f;
-  x = underflow ? -87.0f : x;
+  x = underflow ? -87.0f : (x > 88.0f ? 88.0f : x);
   const float t = x * 1.4426950408889634f;
   const float r = (t + 12582912.0f) - 12582912.0f;  // round to nearest integer
   const float f = t - r;
@@ -64,6 +64,8 @@ inline float exp_nonpositive(float x) {
   const float y = bits_to_float(float_to_bits(p) + (static_cast<uint32_t>(n) << 23));
   return underflow ? 0.0f : y;
 }
+
+inline float exp_nonpositive(float x) { return exp_clamped(x); }
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -428,8 +430,138 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   });
 }
 
+// ---- fused elementwise steps of a decoder layer (for bfloat16 / float16, where PyTorch runs
+// each of them as several passes with float32 round trips). Each computes in float32 and rounds
+// where the unfused PyTorch code rounds, so results match it to the dtype's last bit save for
+// the order of a sum.
+
+// out = w * dtype(s * rsqrt(mean(s^2) + eps)), s = x (+ residual, rounded; written to res_out)
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                   double eps, at::Tensor& out, at::Tensor& res_out) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual.numel() ? residual.data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* sp = rp ? res_out.data_ptr<T>() : nullptr;
+  const int64_t xs = x.stride(0), rs = rp ? residual.stride(0) : 0;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * xs;
+      if (rp) {
+        const T* rr = rp + r * rs;
+        T* sr = sp + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          sr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          v[i] = static_cast<float>(sr[i]);
+        }
+      } else {
+        load_row(xr, v.data(), n);
+      }
+      float ss = 0.0f;
+      for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+      T* orow = op + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float normed = static_cast<float>(static_cast<T>(v[i] * inv));
+        orow[i] = static_cast<T>(static_cast<float>(wp[i]) * normed);
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                 const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: x (T, N) with unit inner stride and a weight (N) of its dtype");
+  TORCH_CHECK(residual.numel() == 0 || (residual.sizes() == x.sizes() &&
+                                        residual.stride(1) == 1 &&
+                                        residual.scalar_type() == x.scalar_type()),
+              "rms_norm: residual must match x");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor res_out = residual.numel() ? at::empty(x.sizes(), x.options()) : residual;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x, residual, weight, eps, out, res_out);
+  });
+  return {out, res_out};
+}
+
+// rotate-half RoPE in place on x (T, H, D) (rows may be strided, e.g. the q/k part of a fused
+// qkv projection), with float32 cos/sin (T, D/2): dtype(x1 c - x2 s), dtype(x2 c + x1 s)
+template <typename T>
+void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  T* xp = x.data_ptr<T>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t ts = x.stride(0), hs = x.stride(1);
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = xp + t * ts + h * hs;
+        T* x2 = x1 + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);
+          const float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+          x1[i] = static_cast<T>(ac - bs);
+          x2[i] = static_cast<T>(bc + as);
+        }
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rope_: x (T, H, D) with unit inner stride");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == x.size(0) * x.size(2) / 2 && sin.numel() == cos.numel(),
+              "rope_: float32 contiguous cos/sin of (T, D/2)");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_", [&] {
+    rope_impl<scalar_t>(x, cos, sin);
+  });
+}
+
+// x (T, 2I) = [gate | up] -> dtype(dtype(silu(gate)) * up), (T, I)
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(n), u(n), y(n);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(xp + r * xs, g.data(), n);
+      load_row(xp + r * xs + n, u.data(), n);
+      for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + exp_clamped(-g[i]));
+      T* orow = op + r * n;
+      for (int64_t i = 0; i < n; ++i)
+        orow[i] = static_cast<T>(static_cast<float>(static_cast<T>(y[i])) * u[i]);
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul: x (T, 2I) with unit inner stride");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul",
+                                  [&] { silu_and_mul_impl<scalar_t>(x, out); });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over paged K/V read in place");
+  m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused: (out, new residual)");
+  m.def("rope_", &rope_, "rotate-half RoPE in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
 }

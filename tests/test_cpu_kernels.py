@@ -1,0 +1,92 @@
+"""The compiled CPU kernels' fused layer steps against the PyTorch code they replace (bfloat16
+and float16, where they are used), and the kernels' build and fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
+from tokenmill.config import RopeScaling
+
+ops = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the kernels fall back")
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def close_in_dtype(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for a last-place difference where the order of a float sum differs."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    assert (got == want).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(dtype, with_residual):
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    x = (torch.randn(33, 576, generator=g) * 3).to(dtype)
+    res = torch.randn(33, 576, generator=g).to(dtype) if with_residual else None
+    want = norm(x, res)
+    norm.cpu_ops = ops
+    got = norm(x, res)
+    if with_residual:
+        close_in_dtype(got[0], want[0])
+        assert torch.equal(got[1], want[1])  # the residual sum is one rounding either way
+    else:
+        close_in_dtype(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_matches_torch_on_strided_rows(dtype):
+    g = torch.Generator().manual_seed(2)
+    rope = RotaryEmbedding(64, 512, 10000.0, RopeScaling())
+    positions = torch.randint(0, 512, (17,), generator=g)
+    cos_sin = rope(positions)
+    qkv = torch.randn(17, (9 + 3 + 3) * 64, generator=g).to(dtype)
+    view = qkv[:, :12 * 64].view(17, 12, 64)  # strided rows, as in the fused projection
+    want = apply_rope(view, cos_sin)
+    v_before = qkv[:, 12 * 64:].clone()
+    got = apply_rope(view, cos_sin, ops)
+    assert got.data_ptr() == qkv.data_ptr()  # in place
+    close_in_dtype(got, want)
+    assert torch.equal(qkv[:, 12 * 64:], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(9, 2 * 1536, generator=g) * 4).to(dtype)
+    x[0, :8] = torch.tensor([-200.0, -90.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 200.0])
+    close_in_dtype(silu_and_mul(x, ops), silu_and_mul(x))
+
+
+def test_float32_keeps_torch_ops():
+    x = torch.randn(4, 2 * 8)
+    assert torch.equal(silu_and_mul(x, ops), silu_and_mul(x))
+
+
+def test_build_is_cached_per_machine(tmp_path, monkeypatch):
+    """The build folder's name changes with the CPU's flags, so a build from another machine
+    (development machines differ day to day) is never loaded."""
+    here = cpu_kernels.build_dir()
+    assert cpu_kernels.is_built()
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: ["sse2"])
+    assert cpu_kernels.build_dir() != here
+    assert not cpu_kernels.is_built()
+    monkeypatch.undo()
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    assert not cpu_kernels.is_built()
+
+
+def test_without_kernels_the_reference_backend_is_chosen(monkeypatch):
+    from tokenmill.attention import default_backend, get_backend
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda build=True: None)
+    assert default_backend("cpu") == "torch"
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        get_backend("cpu")
+    assert default_backend("cuda") == "torch"
