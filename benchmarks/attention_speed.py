@@ -56,12 +56,12 @@ def main() -> None:
     results = {"machine": machine(), "threads": torch.get_num_threads(), "dtype": args.dtype,
                "ms_per_layer": {}}
     for name, case in CASES.items():
-        chunks, kv, q, k, v, _ = make_case(random.Random(0), heads=HEADS, kv_heads=KV_HEADS,
-                                           head_dim=HEAD_DIM, block_size=BLOCK, dtype=dtype,
-                                           **case)
         row = {}
         for backend in args.backends.split(","):
             be = get_backend(backend)
+            chunks, kv, q, k, v, _ = make_case(random.Random(0), heads=HEADS, kv_heads=KV_HEADS,
+                                               head_dim=HEAD_DIM, block_size=BLOCK, dtype=dtype,
+                                               backend=backend, **case)
 
             def call():
                 meta = build_flat_batch(chunks, BLOCK, "cpu").meta

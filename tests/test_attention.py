@@ -18,7 +18,8 @@ BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.load() is not None else [])
 
 
 def make_case(rng: random.Random, *, heads: int, kv_heads: int, head_dim: int, block_size: int,
-              shapes: list[tuple[int, int]], shared_blocks: int = 0, dtype=torch.float32):
+              shapes: list[tuple[int, int]], shared_blocks: int = 0, dtype=torch.float32,
+              backend: str = "torch"):
     """A cache holding every request's context, plus the new tokens' q/k/v. ``shapes``:
     (context tokens already cached, new tokens) per request; with ``shared_blocks`` the first
     requests' tables start with the same blocks (their context there is the same K/V)."""
@@ -44,9 +45,9 @@ def make_case(rng: random.Random, *, heads: int, kv_heads: int, head_dim: int, b
         if uses_shared:
             k_all[:len(shared_k)], v_all[:len(shared_v)] = shared_k, shared_v
         k_all, v_all = k_all.to(dtype), v_all.to(dtype)
-        for p in range(ctx):
-            k_cache[table[p // block_size], p % block_size] = k_all[p]
-            v_cache[table[p // block_size], p % block_size] = v_all[p]
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                              for p in range(ctx)], dtype=torch.int64)
+        get_backend(backend).store_kv(k_all[:ctx], v_all[:ctx], (k_cache, v_cache), slots)
         q = torch.randn(new, heads, head_dim, generator=gen).to(dtype)
         chunks.append(Chunk([0] * new, ctx, table))
         dense.append((k_all, v_all))
@@ -93,7 +94,7 @@ def test_backend_matches_dense_reference(backend, case, heads, kv_heads, dtype, 
     block_size = 16
     chunks, kv_cache, q, k, v, dense = make_case(rng, heads=heads, kv_heads=kv_heads,
                                                  head_dim=head_dim, block_size=block_size,
-                                                 dtype=dtype, **CASES[case])
+                                                 dtype=dtype, backend=backend, **CASES[case])
     batch = build_flat_batch(chunks, block_size, "cpu")
     scale = head_dim ** -0.5
     out = get_backend(backend).forward(q, k, v, kv_cache, batch.meta, scale)
@@ -101,10 +102,14 @@ def test_backend_matches_dense_reference(backend, case, heads, kv_heads, dtype, 
     want = reference(chunks, q, dense, heads, kv_heads, scale)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
-    # the new tokens' K/V were stored at their slots
-    for c, (k_all, _) in zip(chunks, dense):
-        p = c.start_pos + len(c.token_ids) - 1
-        assert torch.equal(kv_cache[0][c.block_table[p // block_size], p % block_size], k_all[p])
+    # the new tokens' K/V were stored at their slots: attending to them again, as a decode
+    # step of each request at its last position, gives the same result
+    last = [Chunk([0], c.start_pos + len(c.token_ids) - 1, c.block_table) for c in chunks]
+    ends = build_flat_batch(chunks, block_size, "cpu").meta.query_start_loc[1:] - 1
+    meta = build_flat_batch(last, block_size, "cpu").meta
+    q_last = q[ends]
+    again = get_backend(backend).forward(q_last, k[ends], v[ends], kv_cache, meta, scale)
+    torch.testing.assert_close(again.double(), want[ends], atol=tol, rtol=tol)
 
 
 def test_cascade_groups_are_found_for_shared_tables_only():

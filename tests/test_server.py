@@ -48,6 +48,18 @@ def test_models_health_version(server, client):
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 
+def test_server_info_says_how_it_runs(server):
+    """--dtype auto's choice and why, the attention backend and the CPU, as start-up logs them."""
+    from tokenmill.kernels import cpu
+    from tokenmill.platform import choose_dtype, cpu_description
+
+    info = httpx.get(f"{server.url}/server_info").json()
+    assert (info["dtype"], info["dtype_reason"]) == choose_dtype("cpu")
+    assert info["attention_backend"] == ("cpu" if cpu.is_built() else "torch")
+    assert info["hardware"] == cpu_description()
+    assert info["threads"] >= 1 and info["kv_cache_tokens"] > 0
+
+
 def test_completion_usage_is_exact(server, client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True})

@@ -316,16 +316,20 @@ def start(name: str, root: Path, port: int, log_dir: Path, timeout: float = 900)
     url = f"http://127.0.0.1:{port}"
     running = Running(name, proc, url, log)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
-                if r.status == 200:
-                    return running
-        except OSError:
-            pass
-        time.sleep(1)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        return running
+            except OSError:
+                pass
+            time.sleep(1)
+    except BaseException:  # interrupted while it starts: do not leave it running
+        running.stop()
+        raise
     code = proc.poll()
     running.stop()
     tail = log.read_text(errors="replace")[-3000:]

@@ -52,6 +52,15 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
+        """Write K/V of tokens at their slots, in this backend's layout inside a block (the
+        reference: token-major, as the cache's shape reads)."""
+        k_cache, v_cache = kv_cache
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
     @abstractmethod
     def forward(
         self,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
-from tokenmill.attention.torch_ref import write_kv
+from tokenmill.attention.torch_ref import TorchReferenceBackend
 
 # Query tokens of one request computed together; a larger tile shares each K/V load more
 # widely (the shared-prefix pass) at the cost of fewer parallel work items.
@@ -105,13 +105,37 @@ def make_plan(meta: AttentionMetadata) -> AttentionPlan:
 
 
 class CpuPagedBackend(AttentionBackend):
+    """K is kept transposed inside each block, ``(KVH, head_dim, block_size)`` per block (V as
+    the reference keeps it), so a block's keys for one head are contiguous and a query's
+    scores for a run of keys are plain vector FMAs; ``store_kv`` writes that layout. A model
+    whose head size the kernel does not take runs on the reference instead (layout included)."""
+
     name = "cpu"
 
     def __init__(self, ops):
         self.ops = ops
+        self._fallback: TorchReferenceBackend | None = None
+        self._checked: tuple[int, int] | None = None
+
+    def _reference_for(self, kv_cache) -> TorchReferenceBackend | None:
+        k_cache = kv_cache[0]
+        shape = (k_cache.shape[-1], k_cache.shape[1])  # head_dim, block_size
+        if shape != self._checked:
+            self._checked = shape
+            self._fallback = None if self.ops.supports(*shape) else TorchReferenceBackend()
+        return self._fallback
+
+    def store_kv(self, k, v, kv_cache, slot_mapping) -> None:
+        ref = self._reference_for(kv_cache)
+        if ref is not None:
+            return ref.store_kv(k, v, kv_cache, slot_mapping)
+        self.ops.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        ref = self._reference_for(kv_cache)
+        if ref is not None:
+            return ref.forward(q, k, v, kv_cache, meta, scale)
+        self.store_kv(k, v, kv_cache, meta.slot_mapping)
         plan = meta.plans.get(self.name)
         if plan is None:
             plan = meta.plans[self.name] = make_plan(meta)

@@ -14,20 +14,11 @@ import torch.nn.functional as F
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-             slot_mapping: torch.Tensor) -> None:
-    """Store new K/V at their slots: slot = block_id * block_size + offset."""
-    k_cache, v_cache = kv_cache
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        self.store_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.is_pure_decode:
             return _decode_attention(q, kv_cache, meta, scale)
         out = torch.empty_like(q)

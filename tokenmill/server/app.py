@@ -49,10 +49,11 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        info = engine.info
         logger.info("tokenmill %s serving %s at http://%s:%d (KV cache %d tokens, "
-                    "max_model_len %d)", tokenmill.__version__, settings.model_name,
-                    settings.host, settings.port, engine.info.kv_cache_tokens,
-                    engine.info.max_model_len)
+                    "max_model_len %d, %s: %s, attention %s)", tokenmill.__version__,
+                    settings.model_name, settings.host, settings.port, info.kv_cache_tokens,
+                    info.max_model_len, info.dtype, info.dtype_reason, info.attention_backend)
         yield
         logger.info("shutting down: finishing running requests (up to %.0fs)",
                     settings.shutdown_timeout)

@@ -30,7 +30,6 @@
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kGemmRows = 8;  // rows of a tile from which the transposed-block path pays
 
 inline float bits_to_float(uint32_t b) {
   float f;
@@ -100,6 +99,7 @@ struct Vec {
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
   float sum() const { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -121,6 +121,7 @@ struct Vec {
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   float sum() const {
     const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 pair = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
@@ -128,88 +129,98 @@ struct Vec {
   }
 };
 #else
-struct Vec {
-  static constexpr int64_t W = 1;
-  float v;
-  static Vec zero() { return {0.0f}; }
-  static Vec set1(float x) { return {x}; }
+struct Vec {  // no AVX2: eight plain lanes, which the compiler vectorises as it can
+  static constexpr int64_t W = 8;
+  float v[W];
+  static Vec zero() { return set1(0.0f); }
+  static Vec set1(float x) {
+    Vec r;
+    for (int64_t i = 0; i < W; ++i) r.v[i] = x;
+    return r;
+  }
   template <typename T>
-  static Vec load(const T* p) { return {static_cast<float>(*p)}; }
-  void store(float* p) const { *p = v; }
-  static Vec fma(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
-  float sum() const { return v; }
+  static Vec load(const T* p) {
+    Vec r;
+    load_row(p, r.v, W);
+    return r;
+  }
+  void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+  static Vec fma(Vec a, Vec b, Vec c) {
+    for (int64_t i = 0; i < W; ++i) c.v[i] += a.v[i] * b.v[i];
+    return c;
+  }
+  static Vec add(Vec a, Vec b) {
+    for (int64_t i = 0; i < W; ++i) a.v[i] += b.v[i];
+    return a;
+  }
 };
 #endif
 
-// sum_d q[d] * k[d], q in float32, k in the cache's dtype
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t n) {
-  Vec acc = Vec::zero();
-  int64_t d = 0;
-  for (; d + Vec::W <= n; d += Vec::W) acc = Vec::fma(Vec::load(q + d), Vec::load(k + d), acc);
-  float s = acc.sum();
-  for (; d < n; ++d) s += q[d] * static_cast<float>(k[d]);
-  return s;
+// ---- paged attention ----------------------------------------------------------------------
+//
+// Cache layout of this backend (the block table and slot mapping are the contract; the layout
+// inside a block is the backend's own): V as (num_blocks, block_size, KVH, D) like the
+// reference, K transposed per block and head, (num_blocks, KVH, D, block_size), stored by
+// store_kv. A block's keys for one head are then 2-4 KB of contiguous memory, and the scores
+// of one query row for W keys at once are D register FMAs with no horizontal sums.
+
+inline int64_t k_offset(int64_t block, int64_t head, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size) {
+  return (block * num_kv_heads + head) * head_dim * block_size;
 }
 
-// acc[d] += p * v[d]
-template <typename T>
-inline void axpy(float* acc, float p, const T* v, int64_t n) {
-  const Vec pv = Vec::set1(p);
-  int64_t d = 0;
-  for (; d + Vec::W <= n; d += Vec::W)
-    Vec::fma(pv, Vec::load(v + d), Vec::load(acc + d)).store(acc + d);
-  for (; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
-}
-
-// The many-rows path (prompt tiles, the shared-prefix pass): a block's K is transposed once
-// into float32 kt[d][s], so the scores of four rows for W keys at a time are register FMAs with
-// no horizontal sums; a block's V is widened once into vb[s][d] and each row's output stays in
-// registers across the block's keys.
-template <int64_t D>
-void block_scores_gemm(const float* qbuf, const float* kt, float* sc, int64_t nrows,
-                       int64_t block_size) {
-  for (int64_t kc = 0; kc + Vec::W <= block_size; kc += Vec::W) {
-    int64_t row = 0;
-    for (; row + 4 <= nrows; row += 4) {
-      const float* q0 = qbuf + row * D;
-      Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
-      for (int64_t d = 0; d < D; ++d) {
-        const Vec k = Vec::load(kt + d * block_size + kc);
-        a0 = Vec::fma(Vec::set1(q0[d]), k, a0);
-        a1 = Vec::fma(Vec::set1(q0[D + d]), k, a1);
-        a2 = Vec::fma(Vec::set1(q0[2 * D + d]), k, a2);
-        a3 = Vec::fma(Vec::set1(q0[3 * D + d]), k, a3);
-      }
-      a0.store(sc + row * block_size + kc);
-      a1.store(sc + (row + 1) * block_size + kc);
-      a2.store(sc + (row + 2) * block_size + kc);
-      a3.store(sc + (row + 3) * block_size + kc);
+// scores of R rows (scaled queries, float32, row stride N * W) for the W keys at kt[.. + kc]
+template <int64_t N, int64_t R, typename T>
+inline void rows_scores(const float* q, const T* kt, int64_t block_size, int64_t kc, float* sc,
+                        int64_t sc_stride) {
+  constexpr int64_t D = N * Vec::W;
+  Vec a[R], b[R];
+  for (int64_t r = 0; r < R; ++r) a[r] = b[r] = Vec::zero();
+  for (int64_t d = 0; d < D; d += 2) {  // two chains per row: half the FMA latency
+    const Vec k0 = Vec::load(kt + d * block_size + kc);
+    const Vec k1 = Vec::load(kt + (d + 1) * block_size + kc);
+    for (int64_t r = 0; r < R; ++r) {
+      a[r] = Vec::fma(Vec::set1(q[r * D + d]), k0, a[r]);
+      b[r] = Vec::fma(Vec::set1(q[r * D + d + 1]), k1, b[r]);
     }
-    for (; row < nrows; ++row) {
-      const float* q0 = qbuf + row * D;
-      Vec a0 = Vec::zero();
-      for (int64_t d = 0; d < D; ++d)
-        a0 = Vec::fma(Vec::set1(q0[d]), Vec::load(kt + d * block_size + kc), a0);
-      a0.store(sc + row * block_size + kc);
+  }
+  for (int64_t r = 0; r < R; ++r) Vec::add(a[r], b[r]).store(sc + r * sc_stride + kc);
+}
+
+template <int64_t N, typename T>
+void block_scores(const float* qbuf, const T* kt, float* sc, int64_t nrows, int64_t nvalid,
+                  int64_t block_size) {
+  for (int64_t kc = 0; kc < nvalid; kc += Vec::W) {
+    int64_t row = 0;
+    for (; row + 4 <= nrows; row += 4)
+      rows_scores<N, 4>(qbuf + row * N * Vec::W, kt, block_size, kc, sc + row * block_size,
+                        block_size);
+    const float* q = qbuf + row * N * Vec::W;
+    float* s = sc + row * block_size;
+    switch (nrows - row) {
+      case 3: rows_scores<N, 3>(q, kt, block_size, kc, s, block_size); break;
+      case 2: rows_scores<N, 2>(q, kt, block_size, kc, s, block_size); break;
+      case 1: rows_scores<N, 1>(q, kt, block_size, kc, s, block_size); break;
+      default: break;
     }
   }
 }
 
-template <int64_t D>
-void block_values_gemm(const float* sc, const float* vb, float* acc, int64_t nrows,
-                       int64_t nvalid, int64_t block_size) {
-  constexpr int64_t N = D / Vec::W;
+// acc[row] += sum_s p[row][s] * V[s], each row's accumulator held in registers over the keys
+template <int64_t N, typename T>
+void block_values(const float* sc, const T* vblock, int64_t v_stride, float* acc, int64_t nrows,
+                  int64_t nvalid, int64_t block_size) {
+  constexpr int64_t D = N * Vec::W;
   for (int64_t row = 0; row < nrows; ++row) {
     float* arow = acc + row * D;
+    const float* p = sc + row * block_size;
     Vec a[N];
     for (int64_t i = 0; i < N; ++i) a[i] = Vec::load(arow + i * Vec::W);
     for (int64_t s = 0; s < nvalid; ++s) {
-      const float p = sc[row * block_size + s];
-      if (p == 0.0f) continue;
-      const Vec pv = Vec::set1(p);
-      const float* vr = vb + s * D;
-      for (int64_t i = 0; i < N; ++i) a[i] = Vec::fma(pv, Vec::load(vr + i * Vec::W), a[i]);
+      if (p[s] == 0.0f) continue;
+      const Vec pv = Vec::set1(p[s]);
+      const T* v = vblock + s * v_stride;
+      for (int64_t i = 0; i < N; ++i) a[i] = Vec::fma(pv, Vec::load(v + i * Vec::W), a[i]);
     }
     for (int64_t i = 0; i < N; ++i) a[i].store(arow + i * Vec::W);
   }
@@ -219,13 +230,14 @@ struct WorkItem {
   int64_t req, kv_head, t0, t1;
 };
 
-template <typename T, typename O>
+template <typename T, typename O, int64_t N>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& query_start,
                     const at::Tensor& key_start_block, const at::Tensor& key_limit,
                     const at::Tensor& rows, at::Tensor& out, at::Tensor& lse, double scale,
                     bool merge, int64_t tile) {
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  constexpr int64_t head_dim = N * Vec::W;
+  const int64_t num_heads = q.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_reqs = query_start.size(0) - 1;
@@ -242,7 +254,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   O* op = out.data_ptr<O>();
   float* lp = lse.data_ptr<float>();
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
-  const int64_t slot_stride = num_kv_heads * head_dim;  // one token's K (or V) in the cache
+  const int64_t v_stride = num_kv_heads * head_dim;  // one token's V in the cache
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
 
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_reqs; ++r)
@@ -251,9 +264,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         items.push_back({r, h, t0, std::min(t0 + tile, qs[r + 1])});
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf, acc, m, l, sc, tmp(head_dim), kt(head_dim * block_size),
-        vb(head_dim * block_size);
-    std::vector<int64_t> visible;
+    std::vector<float> qbuf, acc, m, l, sc, tmp(head_dim);
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& w = items[it];
       const int64_t nrows = (w.t1 - w.t0) * group;
@@ -262,7 +273,6 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       m.assign(nrows, kNegInf);
       l.assign(nrows, 0.0f);
       sc.assign(nrows * block_size, 0.0f);
-      visible.assign(nrows, 0);
       int64_t kmax = 0;
       for (int64_t t = w.t0; t < w.t1; ++t) {
         const int64_t src = row_of ? row_of[t] : t;
@@ -277,37 +287,22 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       for (int64_t b = kstart[w.req]; b * block_size < kmax && b < table_width; ++b) {
         const int64_t base = b * block_size;
         const int64_t nvalid = std::min(block_size, kmax - base);
-        const int64_t slot0 = table[b] * block_size;
-        const T* kblock = kp + slot0 * slot_stride + w.kv_head * head_dim;
-        const T* vblock = vp + slot0 * slot_stride + w.kv_head * head_dim;
-        for (int64_t row = 0; row < nrows; ++row)
-          visible[row] = std::max<int64_t>(0, std::min(nvalid, klimit[w.t0 + row / group] - base));
-        const bool gemm = nrows >= kGemmRows && (head_dim == 64 || head_dim == 128) &&
-                          block_size % Vec::W == 0;
-        if (gemm) {
-          for (int64_t s = 0; s < block_size; ++s) {
-            if (s < nvalid) {
-              load_row(kblock + s * slot_stride, tmp.data(), head_dim);
-              load_row(vblock + s * slot_stride, &vb[s * head_dim], head_dim);
-            } else {
-              std::fill(tmp.begin(), tmp.end(), 0.0f);
-            }
-            for (int64_t d = 0; d < head_dim; ++d) kt[d * block_size + s] = tmp[d];
-          }
-          if (head_dim == 64) block_scores_gemm<64>(qbuf.data(), kt.data(), sc.data(), nrows,
-                                                    block_size);
-          else block_scores_gemm<128>(qbuf.data(), kt.data(), sc.data(), nrows, block_size);
-        } else {
-          // each K row is read once for all the rows of the tile
-          for (int64_t s = 0; s < nvalid; ++s) {
-            const T* krow = kblock + s * slot_stride;
-            for (int64_t row = 0; row < nrows; ++row)
-              sc[row * block_size + s] = dot(&qbuf[row * head_dim], krow, head_dim);
-          }
+        const T* kt = kp + k_offset(table[b], w.kv_head, num_kv_heads, head_dim, block_size);
+        const T* vblock = vp + table[b] * block_size * v_stride + w.kv_head * head_dim;
+        if ((b + 1) * block_size < kmax && b + 1 < table_width) {
+          // blocks lie anywhere in the cache: fetch the next one while this one is computed
+          const T* knext = kp + k_offset(table[b + 1], w.kv_head, num_kv_heads, head_dim,
+                                         block_size);
+          for (int64_t e = 0; e < head_dim * block_size; e += kLine) __builtin_prefetch(knext + e);
+          const T* vnext = vp + table[b + 1] * block_size * v_stride + w.kv_head * head_dim;
+          for (int64_t s = 0; s < block_size; ++s)
+            for (int64_t d = 0; d < head_dim; d += kLine)
+              __builtin_prefetch(vnext + s * v_stride + d);
         }
+        block_scores<N>(qbuf.data(), kt, sc.data(), nrows, nvalid, block_size);
         // online softmax, row by row
         for (int64_t row = 0; row < nrows; ++row) {
-          const int64_t vis = visible[row];
+          const int64_t vis = std::min(nvalid, klimit[w.t0 + row / group] - base);
           float* srow = &sc[row * block_size];
           if (vis <= 0) {
             for (int64_t s = 0; s < block_size; ++s) srow[s] = 0.0f;
@@ -330,21 +325,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
             for (int64_t d = 0; d < head_dim; ++d) arow[d] *= alpha;
           }
         }
-        if (gemm) {
-          if (head_dim == 64) block_values_gemm<64>(sc.data(), vb.data(), acc.data(), nrows,
-                                                    nvalid, block_size);
-          else block_values_gemm<128>(sc.data(), vb.data(), acc.data(), nrows, nvalid,
-                                      block_size);
-          continue;
-        }
-        // values: each V row is read once for all the rows of the tile
-        for (int64_t s = 0; s < nvalid; ++s) {
-          const T* vrow = vblock + s * slot_stride;
-          for (int64_t row = 0; row < nrows; ++row) {
-            const float p = sc[row * block_size + s];
-            if (p != 0.0f) axpy(&acc[row * head_dim], p, vrow, head_dim);
-          }
-        }
+        block_values<N>(sc.data(), vblock, v_stride, acc.data(), nrows, nvalid, block_size);
       }
       for (int64_t row = 0; row < nrows; ++row) {
         const int64_t t = w.t0 + row / group;
@@ -374,17 +355,49 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   });
 }
 
-// Attention of the queries in ``q`` to the paged K/V.
-//   q               (T, H, D) float32 / bfloat16 / float16 (the cache's dtype)
-//   k_cache/v_cache (num_blocks, block_size, KVH, D)
+// Head sizes the kernels take: head_dim = N * W for these N (32..128 on AVX512 and AVX2).
+#define TOKENMILL_HEAD_VECS(X) X(2) X(4) X(5) X(6) X(8) X(10) X(12) X(16)
+
+bool supports(int64_t head_dim, int64_t block_size) {
+  if (head_dim % Vec::W || block_size % Vec::W) return false;
+  switch (head_dim / Vec::W) {
+#define TOKENMILL_CASE(n) case n: return true;
+    TOKENMILL_HEAD_VECS(TOKENMILL_CASE)
+#undef TOKENMILL_CASE
+    default: return false;
+  }
+}
+
+template <typename T, typename O>
+void attention_dispatch(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& query_start, const at::Tensor& key_start_block,
+                        const at::Tensor& key_limit, const at::Tensor& rows, at::Tensor& out,
+                        at::Tensor& lse, double scale, bool merge, int64_t tile) {
+  switch (q.size(2) / Vec::W) {
+#define TOKENMILL_CASE(n)                                                                     \
+    case n:                                                                                   \
+      return attention_impl<T, O, n>(q, k_cache, v_cache, block_tables, query_start,         \
+                                     key_start_block, key_limit, rows, out, lse, scale,       \
+                                     merge, tile);
+    TOKENMILL_HEAD_VECS(TOKENMILL_CASE)
+#undef TOKENMILL_CASE
+    default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", q.size(2));
+  }
+}
+
+// Attention of the queries in ``q`` to the paged K/V (this backend's layout, see above).
+//   q               (T, H, D) float32 / bfloat16 / float16 (the cache's dtype); rows may be
+//                   strided (the q part of a fused qkv projection)
+//   k_cache/v_cache (num_blocks, block_size, KVH, D) tensors; K's blocks hold (KVH, D, bs)
 //   block_tables    (R, W) int64; request r reads blocks key_start_block[r] .. of its row
 //   query_start     (R + 1) int64: request r owns query tokens query_start[r] .. [r + 1] - 1
 //   key_limit       (T') int64: query token t sees keys [key_start_block[r] * block_size,
 //                   key_limit[t]) of its request (positions; causal: its own position + 1)
 //   rows            (T') int64 or empty: query token t is row rows[t] of q / out / lse
 //                   (empty: row t), so a call may cover any subset of a batch's tokens
-//   out, lse        (T, H, D) and (T, H) float32: written, or with ``merge`` combined with the
-//                   partial results they hold (lse = -inf there: nothing yet)
+//   out, lse        (T, H, D) q's dtype or float32, and (T, H) float32: written, or with
+//                   ``merge`` combined with the partial results they hold (lse -inf: none)
 //   tile            query tokens of one request computed together (sharing each K/V load)
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start,
@@ -396,12 +409,14 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_attention: q and the caches must share a dtype");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q rows must be "
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be "
               "contiguous (T, H, D)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
                   lse.is_contiguous(), "paged_attention: caches, out and lse must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
               "paged_attention: heads must be a multiple of KV heads, head dims equal");
+  TORCH_CHECK(supports(q.size(2), k_cache.size(1)), "paged_attention: head_dim ", q.size(2),
+              " / block_size ", k_cache.size(1), " not supported (see supports())");
   TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == q.size(2) &&
                   lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
                   lse.scalar_type() == at::kFloat, "paged_attention: out/lse shapes");
@@ -419,15 +434,53 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
                                   [&] {
     if (same) {
-      attention_impl<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start,
-                                         key_start_block, key_limit, rows, out, lse, scale,
-                                         merge, tile);
+      attention_dispatch<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start,
+                                             key_start_block, key_limit, rows, out, lse, scale,
+                                             merge, tile);
     } else {
-      attention_impl<scalar_t, float>(q, k_cache, v_cache, block_tables, query_start,
-                                      key_start_block, key_limit, rows, out, lse, scale, merge,
-                                      tile);
+      attention_dispatch<scalar_t, float>(q, k_cache, v_cache, block_tables, query_start,
+                                          key_start_block, key_limit, rows, out, lse, scale,
+                                          merge, tile);
     }
   });
+}
+
+// Store new K/V at their slots in this backend's layout (K transposed per block and head).
+template <typename T>
+void store_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const at::Tensor& slots) {
+  const int64_t tokens = k.size(0), kv_heads = k.size(1), head_dim = k.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t ks = k.stride(0), vs = v.stride(0), khs = k.stride(1), vhs = v.stride(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t block = sp[t] / block_size, off = sp[t] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      T* kdst = kc + k_offset(block, h, kv_heads, head_dim, block_size) + off;
+      const T* ksrc = kp + t * ks + h * khs;
+      for (int64_t d = 0; d < head_dim; ++d) kdst[d * block_size] = ksrc[d];
+      std::memcpy(vc + (sp[t] * kv_heads + h) * head_dim, vp + t * vs + h * vhs,
+                  head_dim * sizeof(T));
+    }
+  }
+}
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "store_kv: k, v (T, KVH, D) with unit inner stride");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) &&
+                  k.scalar_type() == k_cache.scalar_type() &&
+                  v.scalar_type() == k_cache.scalar_type(), "store_kv: cache shapes/dtypes");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.numel() == k.size(0), "store_kv: one int64 slot per token");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv",
+                                  [&] { store_kv_impl<scalar_t>(k, v, k_cache, v_cache, slots); });
 }
 
 // ---- fused elementwise steps of a decoder layer (for bfloat16 / float16, where PyTorch runs
@@ -561,6 +614,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over paged K/V read in place");
+  m.def("store_kv", &store_kv, "store new K/V at their slots in the kernel's cache layout");
+  m.def("supports", &supports, "whether (head_dim, block_size) suit the kernel");
   m.def("rms_norm", &rms_norm, "RMSNorm with the residual add fused: (out, new residual)");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
