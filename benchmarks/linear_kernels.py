@@ -1,5 +1,7 @@
-"""The CPU matmul question behind ``Linear.pack_for_cpu``: time the projections of one decode
-step of a model shape with ``F.linear`` (MKL) and with oneDNN on prepacked weights.
+"""The CPU matmul questions behind ``Linear.pack_for_cpu`` and ``SMALL_M_ROWS``: time the
+projections of one decode step of a model shape with ``F.linear`` and with oneDNN on prepacked
+weights (fp32), and in bf16 with ``F.linear`` and with the CPU kernels' ``linear_bf16_rows``
+(where the CPU has AVX512-BF16).
 
     python3 benchmarks/linear_kernels.py                    # SmolLM2-135M shapes, 1/8/32 rows
 
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 
 def step_ms(fn, weights, rows: int, reps: int) -> float:
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=weights[0].dtype) for w in weights}
     fn(xs)  # warm-up
     start = time.perf_counter()
     for _ in range(reps):
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--bf16-rows", default="1,2,4,8,16")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     h, hd = args.hidden, args.hidden // args.heads
@@ -58,6 +61,27 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         print(f"{rows:4}  {step_ms(run_dense, dense, rows, args.reps):13.1f}  "
               f"{step_ms(run_onednn, dense, rows, args.reps):21.1f}")
+
+    from tokenmill.kernels import cpu
+
+    ops = cpu.load()
+    if ops is None or not ops.has_bf16_dot:
+        return
+    bf16 = [w.bfloat16() for w in dense]
+    del dense, packed
+
+    def run_bf16(xs):
+        for w in bf16:
+            F.linear(xs[w.shape[1]], w)
+
+    def run_rows(xs):
+        for w in bf16:
+            ops.linear_bf16_rows(xs[w.shape[1]], w, None)
+
+    print("rows  bf16 F.linear (ms)  bf16 linear_bf16_rows (ms)")
+    for rows in (int(r) for r in args.bf16_rows.split(",")):
+        print(f"{rows:4}  {step_ms(run_bf16, bf16, rows, args.reps):18.1f}  "
+              f"{step_ms(run_rows, bf16, rows, args.reps):26.1f}")
 
 
 if __name__ == "__main__":

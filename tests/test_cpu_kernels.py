@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
@@ -90,3 +91,23 @@ def test_without_kernels_the_reference_backend_is_chosen(monkeypatch):
     with pytest.raises(ValueError, match="--attention-backend torch"):
         get_backend("cpu")
     assert default_backend("cuda") == "torch"
+
+
+@pytest.mark.skipif(ops is None or not ops.has_bf16_dot, reason="needs AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_for_few_rows_matches_float_reference(rows, bias):
+    from tokenmill.model.layers import Linear
+
+    g = torch.Generator().manual_seed(4)
+    layer = Linear(600, 36, bias=bias)  # K not a multiple of 32: the masked tail
+    layer.weight.data = torch.randn(36, 600, generator=g).bfloat16()
+    if bias:
+        layer.bias.data = torch.randn(36, generator=g).bfloat16()
+    layer.cpu_ops = ops
+    x = torch.randn(rows, 600, generator=g).bfloat16()
+    got = layer(x)
+    want = F.linear(x.float(), layer.weight.float(), None if not bias else layer.bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 36)
+    # float32 sums rounded once to bf16: within half a bf16 step of the output's size
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)

@@ -630,3 +630,15 @@ def test_mixed_greedy_and_sampled_rows(device: str) -> None:
     assert out[1] in logits[1].topk(2).indices.tolist()
     alone = Sampler()(logits[3:4], [row(SamplingParams(seed=8), "s")]).token_ids[0]
     assert out[3] == alone
+
+
+def test_tied_logprobs_list_the_greedy_token_first():
+    """bf16 logits tie often; argmax takes the lowest id, and the top list orders ties so."""
+    from tokenmill.runner.sampler import compute_logprobs
+
+    logits = torch.tensor([[0.0, 1.0, 3.0, 1.0, 0.5, 3.0, 3.0]])
+    token = logits.argmax(dim=-1)
+    assert token.item() == 2
+    (lp,) = compute_logprobs(logits, token, [3])
+    assert [t for t, _ in lp.top] == [2, 5, 6]
+    assert lp.rank == 3  # vLLM's rank: ties count against the token

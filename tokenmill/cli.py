@@ -40,6 +40,8 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
     ("--attention-backend", "attention_backend", dict(
         choices=["auto", "cpu", "torch"], help="cpu: compiled kernels reading K/V in place; "
                                                "torch: the reference; auto: cpu where it builds")),
+    ("--num-threads", "num_threads", dict(
+        type=int, help="CPU threads of the forward (unset: chosen from the usable cores)")),
     ("--kv-cache-memory", "kv_cache_memory", dict(
         type=parse_kv_cache_memory, help="KV cache size in bytes (4GiB, 512MB) or blocks "
                                          "(2048blocks); unset: derived from free memory")),
@@ -180,6 +182,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
+    # Before torch (and its OpenMP runtime) loads: OpenMP threads that spin after each parallel
+    # region take the cores the event loop needs to stream; sleeping instead raised output tok/s
+    # at 32 concurrent streams on 2 cores from 163 to 235 (docs/performance.md). A user's own
+    # setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from tokenmill.server.app import ServerSettings, run_server
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:

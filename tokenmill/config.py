@@ -92,6 +92,8 @@ class EngineConfig:
     # "auto": "cpu" (K/V read in place by the compiled kernels) on a CPU where they build,
     # else "torch" (the reference)
     attention_backend: str = "auto"
+    # intra-op threads of the forward on a CPU (None: tokenmill.platform.default_threads)
+    num_threads: int | None = None
     # Sampling seed of requests that bring none (derived per request from it and the arrival
     # order); None: such requests sample nondeterministically.
     seed: int | None = None

@@ -75,10 +75,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def configure_threads() -> int:
-    """One intra-op thread per usable core (torch's default counts the whole machine's physical
-    cores, which oversubscribes a process pinned to fewer)."""
-    n = usable_cores()
+def configure_threads(n: int | None = None) -> int:
+    """Set the forward's intra-op threads: ``n``, or one per usable core (torch's default counts
+    the whole machine's physical cores, which oversubscribes a process pinned to fewer)."""
+    n = n or usable_cores()
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

@@ -129,7 +129,7 @@ class LLMEngine:
         from tokenmill.tokenizer import load_tokenizer
 
         if config.device.startswith("cpu"):
-            configure_threads()
+            configure_threads(config.num_threads)
         dtype, dtype_reason = choose_dtype(config.device, config.dtype)
         backend = config.attention_backend
         if backend == "auto":

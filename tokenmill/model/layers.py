@@ -29,14 +29,25 @@ def empty_param(*shape: int) -> nn.Parameter:
     return p
 
 
+# Rows of input up to which the CPU kernels' bf16 linear beats oneDNN's on AVX512-BF16
+# (1.2-1.9x at 1-4 rows, slower from 8; benchmarks/linear_kernels.py)
+SMALL_M_ROWS = 4
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = empty_param(out_features, in_features)
         self.bias = empty_param(out_features) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU, fp32)
+        self.cpu_ops = None  # set by the loader when the CPU kernels are in use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.cpu_ops
+        if (ops is not None and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16
+                and ops.has_bf16_dot and self.weight.shape[0] % 4 == 0):
+            # a few rows (decode at small batch): a pass over bf16 weights at memory speed
+            return ops.linear_bf16_rows(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

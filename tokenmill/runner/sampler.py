@@ -203,5 +203,8 @@ def compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
                ranks.tolist(), top_ids.tolist(), top_lp.tolist())
     for i, token, logprob, rank, ids, lps in rows:
         n = num_top[i]
-        result[i] = TokenLogprobs(token, logprob, rank, list(zip(ids[:n], lps[:n])))
+        # equal logprobs (common with bf16 logits) in token id order, the order argmax breaks
+        # ties in, so a greedy token is listed first among the tokens tied with it
+        top = sorted(zip(ids, lps), key=lambda pair: (-pair[1], pair[0]))[:n]
+        result[i] = TokenLogprobs(token, logprob, rank, top)
     return result
