@@ -166,3 +166,4 @@ def plot_sweep(runs: dict[str, list[dict]], out: str) -> None:
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+    plt.close(fig)  # compare.py redraws after every run
