@@ -72,9 +72,9 @@ def bench_args(settings: dict, url: str, seed: int) -> argparse.Namespace:
     return args
 
 
-def session_cpu_seconds(leader: int) -> float:
-    """CPU time (user + system) of every live process in the session ``leader`` started."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+def session_processes(leader: int):
+    """(/proc entry, stat fields after the command name) of every live process in the session
+    ``leader`` started (an engine may run several: vLLM's API server and engine core)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -84,26 +84,25 @@ def session_cpu_seconds(leader: int) -> float:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
         if int(fields[3]) == leader:  # fields[3] is the session id
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+            yield entry, fields
+
+
+def session_cpu_seconds(leader: int) -> float:
+    """CPU time (user + system) of the session's processes."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return sum((int(f[11]) + int(f[12])) / tick for _, f in session_processes(leader))
 
 
 def session_peak_rss_mib(leader: int) -> float:
-    """Peak resident memory (VmHWM) summed over the live processes of the session ``leader``
-    started (an engine may run several: vLLM's API server and engine core)."""
+    """Peak resident memory (VmHWM) summed over the session's processes."""
     total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry, _ in session_processes(leader):
         try:
-            stat = (entry / "stat").read_text()
-            if int(stat[stat.rindex(")") + 2:].split()[3]) != leader:
-                continue
-            for line in (entry / "status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1])
-        except (OSError, ValueError):
+            status = (entry / "status").read_text()
+        except OSError:
             continue
+        total += sum(int(line.split()[1]) for line in status.splitlines()
+                     if line.startswith("VmHWM:"))
     return total / 1024
 
 

@@ -37,7 +37,7 @@ def make_case(rng: random.Random, *, heads: int, kv_heads: int, head_dim: int, b
     for ctx, new in shapes:
         n_blocks = -(-(ctx + new) // block_size)
         uses_shared = shared_blocks and ctx >= shared_blocks * block_size
-        table = (shared if uses_shared else []) + []
+        table = list(shared) if uses_shared else []
         while len(table) < n_blocks:
             table.append(free.pop())
         k_all = torch.randn(ctx + new, kv_heads, head_dim, generator=gen)

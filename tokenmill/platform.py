@@ -16,6 +16,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "am
 
 
 def _proc_cpuinfo() -> tuple[str, set[str]]:
+    """(model name, feature flags) from /proc/cpuinfo ("flags" on x86, "Features" on ARM)."""
     model, flags = platform.processor() or "unknown", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -28,6 +29,11 @@ def _proc_cpuinfo() -> tuple[str, set[str]]:
     except OSError:
         pass
     return model, flags
+
+
+def cpu_flags() -> set[str]:
+    """The feature flags the kernel reports for this CPU (/proc/cpuinfo)."""
+    return _proc_cpuinfo()[1]
 
 
 def cpu_description() -> dict[str, object]:
@@ -45,7 +51,7 @@ def cpu_features() -> set[str]:
             return {k for k, v in probe().items() if v is True}
         except Exception:  # an older torch without the probe's full dict
             pass
-    return _proc_cpuinfo()[1]
+    return cpu_flags()
 
 
 def choose_dtype(device: str, requested: str | None = "auto") -> tuple[str, str]:

@@ -201,14 +201,9 @@ _GGML_ISA = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2":
 
 def llama_cpp_isa_flags() -> list[str]:
     """``-DGGML_<ISA>=ON|OFF`` for the x86 instruction sets this CPU reports."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    from tokenmill.platform import cpu_flags
+
+    flags = cpu_flags()
     return [f"-DGGML_{opt}={'ON' if flag in flags else 'OFF'}" for flag, opt in _GGML_ISA.items()]
 
 

@@ -42,7 +42,6 @@ class AttentionPlan:
     empty: torch.Tensor
     # the shared-prefix pass (None when no group qualifies)
     shared: tuple[torch.Tensor, ...] | None = None
-    groups: list[CascadeGroup] | None = None
 
 
 def find_cascade_groups(tables: list[list[int]], query_lens: list[int], seq_lens: list[int],
@@ -100,7 +99,6 @@ def make_plan(meta: AttentionMetadata) -> AttentionPlan:
     plan.shared = (torch.tensor(g_tables), torch.tensor(g_starts),
                    torch.zeros(len(groups), dtype=torch.int64), torch.tensor(g_limits),
                    torch.tensor(g_rows))
-    plan.groups = groups
     return plan
 
 

@@ -24,6 +24,8 @@ from types import ModuleType
 
 import torch
 
+from tokenmill.platform import cpu_flags
+
 log = logging.getLogger("tokenmill.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
@@ -32,21 +34,10 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 
-def cpu_flags() -> list[str]:
-    """The x86/ARM feature flags the kernel reports for this CPU (/proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return sorted(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return []
-
-
 def build_dir() -> Path:
     root = Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill"))
     key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, sys.version,
-                                    *_FLAGS, *cpu_flags()]).encode()).hexdigest()[:16]
+                                    *_FLAGS, *sorted(cpu_flags())]).encode()).hexdigest()[:16]
     return root / "kernels" / f"cpu-{key}"
 
 
@@ -55,11 +46,9 @@ def is_built() -> bool:
 
 
 @cache
-def load(build: bool = True) -> ModuleType | None:
-    """The compiled kernels, or None when they cannot be had (no compiler, a build error, or
-    ``build=False`` and none built yet); the reason is logged once."""
-    if not build and not is_built():
-        return None
+def load() -> ModuleType | None:
+    """The compiled kernels (built first if this machine has no build yet), or None when they
+    cannot be had (no compiler, a build error); the reason is logged once."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         log.warning("no C++ compiler found: CPU kernels unavailable, using the PyTorch "
                     "reference attention")

@@ -67,8 +67,6 @@ inline float exp_clamped(float x) {
   return underflow ? 0.0f : y;
 }
 
-inline float exp_nonpositive(float x) { return exp_clamped(x); }
-
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -79,7 +77,7 @@ inline void store_row(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-// A register of float32 lanes: 16 with AVX512, 8 with AVX2, 1 without either.
+// A register of float32 lanes: 16 with AVX512, 8 with AVX2, 8 plain floats without either.
 #if defined(__AVX512F__)
 struct Vec {
   static constexpr int64_t W = 16;
@@ -103,7 +101,6 @@ struct Vec {
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
-  float sum() const { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Vec {
@@ -125,11 +122,6 @@ struct Vec {
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
-  float sum() const {
-    const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 pair = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
-  }
 };
 #else
 struct Vec {  // no AVX2: eight plain lanes, which the compiler vectorises as it can
@@ -314,10 +306,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           float bmax = kNegInf;
           for (int64_t s = 0; s < vis; ++s) bmax = std::max(bmax, srow[s]);
           const float m_new = std::max(m[row], bmax);
-          const float alpha = exp_nonpositive(m[row] - m_new);
+          const float alpha = exp_clamped(m[row] - m_new);
           float psum = 0.0f;
           for (int64_t s = 0; s < block_size; ++s) {
-            const float p = s < vis ? exp_nonpositive(srow[s] - m_new) : 0.0f;
+            const float p = s < vis ? exp_clamped(srow[s] - m_new) : 0.0f;
             srow[s] = p;
             psum += p;
           }
