@@ -138,8 +138,10 @@ def test_max_and_min_tokens(llm):
 
 def test_abort_frees_blocks(llm):
     engine = llm.engine
-    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50))
-    engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=50))
+    # ignore_eos: a sampled " Paris." + EOS could end "a" inside three steps
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], params)
+    engine.add_request("b", PROMPTS[1], params)
     for _ in range(3):
         engine.step()
     assert engine.abort_request("a") and engine.abort_request("b")
