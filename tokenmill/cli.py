@@ -12,6 +12,7 @@ import time
 
 from tokenmill.config import DEFAULT_MODEL
 from tokenmill.errors import TokenmillError
+from tokenmill.structured.tool_parsers import TOOL_PARSERS
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
@@ -56,6 +57,9 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
         help="lpm: longest cached prefix first (falls back to fcfs past 128 waiting)")),
     ("--no-prefix-cache", "enable_prefix_caching", dict(
         action="store_const", const=False, help="turn off automatic prefix caching")),
+    ("--no-jump-forward", "jump_forward", dict(
+        action="store_const", const=False,
+        help="structured output: decode grammar-forced text one token per step")),
     ("--seed", "seed", dict(type=int, help="seed the sampling of requests that give no seed "
                                            "of their own, reproducibly (unset: random)")),
 ]
@@ -133,6 +137,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default: unbounded)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM (default: 30)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls, parsed from chat output when tools "
+                        "are offered (hermes: <tool_call>{json}</tool_call>, as SmolLM2 and "
+                        "Qwen write them; default: hermes)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -194,7 +202,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or args.model, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
-        max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout)
+        max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser)
     return run_server(_make_llm(args).engine, settings, args.log_level)
 
 

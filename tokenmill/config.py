@@ -97,6 +97,9 @@ class EngineConfig:
     # Sampling seed of requests that bring none (derived per request from it and the arrival
     # order); None: such requests sample nondeterministically.
     seed: int | None = None
+    # Structured output: offer the text a grammar forces next as drafts, verified in the same
+    # forward (jump-forward); off, every token costs a step.
+    jump_forward: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

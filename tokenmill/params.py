@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from tokenmill.structured.spec import StructuredOutputs
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -51,6 +53,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-N logprobs of each sampled token, 0 = only the sampled one
+    # The output must match this JSON schema / regex / choice / grammar (``structured/``).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -60,6 +64,10 @@ class SamplingParams:
         self._check_sampling()
         self._check_penalties()
         self._check_stops()
+        if self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

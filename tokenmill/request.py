@@ -124,6 +124,9 @@ class Request:
     # engine's proposer: verified in one forward after the last known token, and cleared when
     # the sequence's chunk is scheduled (unused ones too) or it is preempted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Structured output: the grammar state of this sequence (``structured.SequenceGrammar``),
+    # set by the engine; it has consumed exactly the accepted output tokens.
+    grammar: object | None = field(default=None, repr=False)
 
     @property
     def group_id(self) -> str:
@@ -175,7 +178,7 @@ class Request:
         if n == 1:
             return [self]
         return [replace(self, request_id=sequence_id(self.request_id, i), parent_id=self.request_id,
-                        seq_index=i, output_token_ids=[], spec_token_ids=[])
+                        seq_index=i, output_token_ids=[], spec_token_ids=[], grammar=None)
                 for i in range(n)]
 
 

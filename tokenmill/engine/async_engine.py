@@ -20,9 +20,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenmill.engine.llm_engine import EngineInfo, LLMEngine
+from tokenmill.engine.llm_engine import EngineInfo, EngineStats, LLMEngine
 from tokenmill.params import SamplingParams
 from tokenmill.request import RequestOutput
+from tokenmill.structured.spec import StructuredOutputs
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill.engine")
@@ -62,6 +63,7 @@ class EngineSnapshot:
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     num_adds_taken: int = 0  # add commands the loop has taken (admission counts the rest)
+    stats: EngineStats = field(default_factory=EngineStats)  # the engine's own counters
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,11 @@ class AsyncEngine:
     def tokenizer(self) -> Tokenizer:
         """Safe to use from the event loop: tokenizers are thread-safe for encode/decode."""
         return self.engine.tokenizer
+
+    def compile_grammar(self, spec: StructuredOutputs) -> None:
+        """Compile (and cache) an output constraint; raises ``ConstraintError``. Thread-safe
+        and slow for a new schema: call it off the event loop."""
+        self.engine.compile_grammar(spec)
 
     def check_prompt(self, token_ids: Sequence[int], param: str = "prompt") -> None:
         """The engine's prompt check, callable before anything is queued."""
@@ -378,7 +385,7 @@ class AsyncEngine:
         stats = self.engine.stats()
         self.snapshot = EngineSnapshot(stats.num_running, stats.num_waiting,
                                        stats.kv_cache_usage, stats.num_preemptions,
-                                       self._adds_taken)
+                                       self._adds_taken, stats)
 
     def _abort_all(self) -> None:
         for request_id in list(self._streams):

@@ -25,6 +25,8 @@ from tokenmill.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.structured.manager import PendingMasks, StructuredOutputManager
+    from tokenmill.structured.spec import StructuredOutputs
     from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill.engine")
@@ -33,8 +35,11 @@ logger = logging.getLogger("tokenmill.engine")
 class Runner(Protocol):
     """What the engine needs of a model runner (``runner.ModelRunner`` is the real one)."""
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> ModelOutput:
-        """One forward over the chunks; the accepted tokens of every chunk with logits."""
+    def execute(self, chunks: Sequence[ScheduledChunk],
+                masks: PendingMasks | None = None) -> ModelOutput:
+        """One forward over the chunks; the accepted tokens of every chunk with logits.
+        ``masks`` (structured output) are being filled while the forward runs; the runner
+        applies them (``masks.apply(rows)``) before sampling."""
 
     def forget(self, seq_ids: Iterable[str]) -> None:
         """Drop per-sequence state (seeded generators) of finished sequences."""
@@ -78,6 +83,10 @@ class EngineStats:
     num_accepted_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_structured_requests: int = 0  # requests with an output constraint
+    grammar_compile_seconds: float = 0.0  # compiling constraints (cache misses)
+    grammar_mask_seconds: float = 0.0  # filling token masks (alongside the forward)
+    num_grammar_mask_steps: int = 0  # steps that filled masks
     forward_seconds: float = 0.0  # runner.execute: model forward + sampling
     scheduler_seconds: float = 0.0  # schedule() + update_from_output()
     step_seconds: float = 0.0  # whole steps, detokenization included
@@ -103,12 +112,14 @@ class LLMEngine:
 
     def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer: Tokenizer,
                  info: EngineInfo, *, proposer: DraftProposer | None = None,
+                 structured: StructuredOutputManager | None = None,
                  seed: int | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
         self.info = info
         self.proposer = proposer
+        self.structured = structured
         self.seed = seed
         self.last_step = StepInfo()
         self._requests: dict[str, RequestState] = {}
@@ -126,6 +137,8 @@ class LLMEngine:
         from tokenmill.platform import choose_dtype, configure_threads, cpu_description
         from tokenmill.runner.kv_cache import num_kv_blocks
         from tokenmill.runner.model_runner import ModelRunner
+        from tokenmill.structured.backend import GrammarBackend
+        from tokenmill.structured.manager import StructuredOutputManager
         from tokenmill.tokenizer import load_tokenizer
 
         if config.device.startswith("cpu"):
@@ -154,7 +167,11 @@ class LLMEngine:
                           cpu_description() if config.device.startswith("cpu") else {})
         logger.info("compute dtype %s (%s); attention backend %s; %s", dtype, dtype_reason,
                     backend, info.hardware or config.device)
-        return cls(scheduler, runner, tokenizer, info, seed=config.seed)
+        grammars = GrammarBackend(tokenizer.backend.to_str(), model.vocab_size,
+                                  sorted(scheduler.eos_token_ids))
+        return cls(scheduler, runner, tokenizer, info,
+                   structured=StructuredOutputManager(grammars, config.jump_forward),
+                   seed=config.seed)
 
     # ----- requests ---------------------------------------------------------------------------
 
@@ -175,12 +192,25 @@ class LLMEngine:
             else (None, [int(t) for t in prompt])
         self.check_prompt(ids)
         params = self._seeded(params or SamplingParams())
+        grammar = self.compile_grammar(params.structured_outputs)
         request = Request(request_id, ids, params, priority=priority, cache_salt=cache_salt,
                           **({} if arrival_time is None else {"arrival_time": arrival_time}))
         sequences = self.scheduler.add_request(request)
+        if grammar is not None:
+            self.structured.attach(sequences, grammar)
         self._num_added += 1
         self._requests[request_id] = RequestState(request_id, text, ids, params, sequences,
                                                   self.tokenizer)
+
+    def compile_grammar(self, spec: StructuredOutputs | None):
+        """The compiled constraint (None for None). Raises ``ConstraintError`` (a ValueError
+        naming the request field) for one that does not compile. Cached and thread-safe: the
+        server calls it off the event loop before queueing."""
+        if spec is None:
+            return None
+        if self.structured is None:
+            raise ValueError(f"{spec.param}: this engine was built without structured output")
+        return self.structured.compile(spec)
 
     def _seeded(self, params: SamplingParams) -> SamplingParams:
         if params.seed is not None or self.seed is None or params.greedy:
@@ -213,7 +243,15 @@ class LLMEngine:
             kv_cache_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
             num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            scheduler_seconds=s.overhead_seconds_total, **self._counters)
+            scheduler_seconds=s.overhead_seconds_total, **self._grammar_stats(), **self._counters)
+
+    def _grammar_stats(self) -> dict:
+        if self.structured is None:
+            return {}
+        g = self.structured.stats
+        return dict(num_structured_requests=self.structured.num_requests,
+                    grammar_compile_seconds=g.compile_seconds,
+                    grammar_mask_seconds=g.mask_seconds, num_grammar_mask_steps=g.num_mask_steps)
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix; returns the blocks dropped. Refused (RuntimeError) while
@@ -244,17 +282,20 @@ class LLMEngine:
         return outputs
 
     def _propose(self) -> None:
-        if self.proposer is None or not self.scheduler.num_running:
+        if (self.proposer is None and self.structured is None) or not self.scheduler.num_running:
             return
         running = list(self.scheduler.running)
-        drafts = self.proposer.propose(running)
+        drafts = self.proposer.propose(running) if self.proposer is not None else {}
+        if self.structured is not None:
+            drafts = self.structured.propose(running, drafts)
         for request in running:
             request.spec_token_ids = list(drafts.get(request.request_id, ()))
 
     def _run(self, out: SchedulerOutput) -> ModelOutput:
         start = time.perf_counter()
         try:
-            result = self.runner.execute(out.scheduled)
+            masks = self.structured.start_masks(out.scheduled) if self.structured else None
+            result = self.runner.execute(out.scheduled, masks)
         except Exception:
             # Leave no sequence half-run: the step's requests are aborted, the engine lives on.
             logger.exception("model step failed; aborting the %d requests in it",
@@ -268,6 +309,17 @@ class LLMEngine:
             min(c.num_tokens, max(0, c.request.num_prompt_tokens - c.start_pos))
             for c in out.scheduled)
         return result
+
+    def _advance_grammar(self, seq: Request, token_ids: list[int]) -> None:
+        """The grammar consumes the tokens; a complete grammar ends the sequence (stop)."""
+        try:
+            complete = self.structured.advance(seq, token_ids)
+        except ValueError:  # a broken invariant, not bad input: end this sequence, not all
+            logger.exception("grammar state of %s lost; aborting it", seq.request_id)
+            self.scheduler.abort_request(seq.request_id)
+            return
+        if complete:
+            self.scheduler.finish_request(seq.request_id, FinishReason.STOP)
 
     def _process(self, updates: list[SeqUpdate],
                  logprobs: Mapping[str, Sequence[object | None]]) -> list[RequestOutput]:
@@ -283,6 +335,8 @@ class LLMEngine:
                 dropped = len(update.new_token_ids) - kept
                 self.scheduler.finish_request(seq.request_id, FinishReason.STOP, text,
                                               seq.num_output_tokens - dropped)
+            elif seq.grammar is not None and not seq.is_finished:
+                self._advance_grammar(seq, update.new_token_ids)
             touched[state.request_id] = state
         outputs = []
         for request_id, state in touched.items():

@@ -5,7 +5,7 @@ of the semantics: a bias shifts the logits that penalties and temperature then s
 
     1. logit_bias     + params.logit_bias                                    all rows
     2. grammar_mask   tokens outside row.token_bitmask -> -inf               all rows
-    3. min_tokens     row.stop_token_ids -> -inf while output < min_tokens   all rows
+    3. min_tokens     row.stop_token_ids -> -inf while output < min_tokens   rows without a grammar
     4. penalties      repetition (prompt + output), presence / frequency     all rows
     5. temperature    / temperature                                          sampled rows
     6. top_k_top_p    outside top-k, then outside the nucleus -> -inf        sampled rows
@@ -172,8 +172,10 @@ class MinTokens(LogitsProcessor):
     name = "min_tokens"
 
     def rows(self, rows: Sequence[SamplingRow]) -> list[int]:
+        # A grammar decides where a constrained output may end (it may allow nothing else).
         return [i for i, r in enumerate(rows)
-                if r.stop_token_ids and len(r.output_token_ids) < r.params.min_tokens]
+                if r.stop_token_ids and len(r.output_token_ids) < r.params.min_tokens
+                and r.token_bitmask is None]
 
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
               indices: list[int]) -> torch.Tensor:

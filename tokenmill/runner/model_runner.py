@@ -14,6 +14,7 @@ their own (a draft model) need the general rule, which ``spec/`` brings.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from tokenmill.runner.batch import Chunk, SeqChunk, build_flat_batch
 from tokenmill.runner.kv_cache import allocate_kv_cache
 from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
 from tokenmill.sched.output import ModelOutput, ScheduledChunk, num_matching_drafts
+
+if TYPE_CHECKING:
+    from tokenmill.structured.manager import PendingMasks
 
 
 class ModelRunner:
@@ -45,10 +49,15 @@ class ModelRunner:
                           batch.logits_indices)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> ModelOutput:
-        """Forward the scheduler's chunks; the accepted tokens of each chunk with logits."""
+    def execute(self, chunks: Sequence[ScheduledChunk],
+                masks: PendingMasks | None = None) -> ModelOutput:
+        """Forward the scheduler's chunks; the accepted tokens of each chunk with logits.
+        Grammar ``masks``, filled by another thread while the forward runs, are applied to
+        their rows before sampling."""
         logits = self.forward(chunks)
         rows = sampling_rows(chunks)
+        if masks is not None:
+            masks.apply(rows)
         return accept_tokens(chunks, self.sampler(logits, rows))
 
     def forget(self, seq_ids: Iterable[str]) -> None:

@@ -37,6 +37,7 @@ class ServerSettings:
     api_key: str | None = None
     max_queued_requests: int | None = None
     shutdown_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
+    tool_call_parser: str = "hermes"  # the model family's tool-call syntax (tool_parsers.py)
 
 
 def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -44,7 +45,8 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name)
     async_engine = AsyncEngine(engine, settings.max_queued_requests, listener=metrics)
     metrics.attach(async_engine)
-    serving = OpenAIServing(async_engine, settings.model_name, metrics)
+    serving = OpenAIServing(async_engine, settings.model_name, metrics,
+                            settings.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

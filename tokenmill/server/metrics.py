@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
+from prometheus_client.core import CounterMetricFamily
 
 from tokenmill.engine.async_engine import AsyncEngine, RequestTimings
 from tokenmill.request import RequestOutput
@@ -66,6 +67,7 @@ class ServerMetrics:
                                  _TOKEN_BUCKETS)
         self.iteration = histogram("iteration_tokens_total", "Tokens per engine step.",
                                    _TOKEN_BUCKETS)
+        r.register(_EngineCounters(self))
         for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.rejections,
                   self.prefix_queries, self.prefix_hits):
             c.labels(model_name)  # export zeros from the start
@@ -105,3 +107,30 @@ class ServerMetrics:
             self.e2e.labels(m).observe(t.finished - t.arrival)
         if t.scheduled is not None:
             self.queue.labels(m).observe(t.scheduled - t.arrival)
+
+
+class _EngineCounters:
+    """Counters kept by the engine itself, exported from its latest stats snapshot."""
+
+    _COUNTERS = (
+        ("structured_output_requests", "Requests with an output constraint (JSON schema, "
+         "regex, choice, grammar, tool choice).", "num_structured_requests"),
+        ("grammar_compile_seconds", "Time compiling output constraints (cache misses).",
+         "grammar_compile_seconds"),
+        ("grammar_mask_seconds", "Time filling token masks of constrained sequences, "
+         "alongside the forward.", "grammar_mask_seconds"),
+        ("grammar_mask_steps", "Steps that filled token masks (mask seconds per step = "
+         "grammar_mask_seconds / grammar_mask_steps).", "num_grammar_mask_steps"),
+    )
+
+    def __init__(self, metrics: ServerMetrics):
+        self._metrics = metrics
+
+    def collect(self):
+        engine = self._metrics._engine
+        stats = engine.snapshot.stats if engine is not None else None
+        for name, doc, field in self._COUNTERS:
+            family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            family.add_metric([self._metrics.model_name],
+                              getattr(stats, field) if stats is not None else 0.0)
+            yield family

@@ -40,6 +40,14 @@ class _SamplingFields(_Request):
     priority: int = 0
     user: str | None = None
     cache_salt: str | None = None  # prefix-cache namespace (per tenant): no sharing across salts
+    # Structured output (``structured/``): OpenAI's field, vLLM's object and its older fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -54,6 +62,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -64,6 +74,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Request):

@@ -24,7 +24,12 @@ from tokenmill.params import SamplingParams
 from tokenmill.request import PromptError, RequestOutput
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatMessage,
                                        CompletionRequest, _SamplingFields)
+from tokenmill.structured.spec import ConstraintError, StructuredOutputs, from_request
+from tokenmill.structured.tool_parsers import ToolCallParser, ToolCallStreamer, get_tool_parser
+from tokenmill.structured.tool_prompt import prepare_tool_messages, template_handles_tools
+from tokenmill.structured.tools import check_tool_choice, tool_choice_constraint
 from tokenmill.tokenizer import ChatTemplateError
+from tokenmill.tokenizer.chat_template import select_template
 
 _PARAM_FIELDS = set(SamplingParams.__dataclass_fields__)
 
@@ -38,8 +43,10 @@ class _Prompt:
 class OpenAIServing:
     """Shared state of the endpoints: the engine, its tokenizer, the served name, metrics."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics):
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics,
+                 tool_call_parser: str = "hermes"):
         self.engine = engine
+        self.tool_parser = get_tool_parser(tool_call_parser)
         self.model_name = model_name
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
@@ -62,7 +69,8 @@ class OpenAIServing:
         self.check_model(req.model)
         prompts = self._completion_prompts(req.prompt)
         logprobs = req.logprobs
-        params = self._params(req, req.max_tokens, logprobs, prompts)
+        params = self._params(req, req.max_tokens, logprobs, prompts, structured=_constraint(req))
+        await self._compile(params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._add_all(rid, [p.ids for p in prompts], params, req.priority,
                                       req.cache_salt)
@@ -96,8 +104,24 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
+        tools = _check_tools(req.tools)
+        try:
+            tool_mode = check_tool_choice(tools, req.tool_choice)
+            structured = _constraint(req)
+            if tool_mode in ("required", "named"):
+                if structured is not None:
+                    raise ConstraintError(f"a {tool_mode} tool choice cannot be combined with "
+                                          f"another output constraint", structured.param)
+                structured = tool_choice_constraint(tools, req.tool_choice,
+                                                    req.parallel_tool_calls, self.tool_parser)
+        except ConstraintError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None
+        await self._check_tool_schemas(tools)
         prompt = self.chat_prompt(req.messages, req.add_generation_prompt,
-                                  req.chat_template_kwargs)
+                                  req.chat_template_kwargs,
+                                  tools if tool_mode != "none" else None)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs",
                            code="invalid_value")
@@ -105,29 +129,66 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = self._params(req, max_tokens, logprobs, [prompt], param)
+        params = self._params(req, max_tokens, logprobs, [prompt], param, structured)
+        await self._compile(params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add_all(rid, [prompt.ids], params, req.priority, req.cache_salt)
-        out = _ChatFormat(self, rid, req)
+        out = _ChatFormat(self, rid, req, self.tool_parser if tool_mode != "none" else None)
         if req.stream:
             return _sse(out.chunks(_merge(streams)), streams)
         finals = await _collect(streams, raw)
         return JSONResponse(out.response(finals[0]))
 
     def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
-                    kwargs: dict[str, Any] | None = None) -> _Prompt:
+                    kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> _Prompt:
+        """Token ids of a conversation. A template that knows tools renders them (and calls in
+        the history) itself; for one that does not, the tools go into the system prompt and
+        calls and results become text in the model family's format."""
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
         try:
-            ids = self.tokenizer.encode_chat(conversation, add_generation_prompt, **(kwargs or {}))
+            kwargs = dict(kwargs or {})
+            template = select_template(self.tokenizer.chat_templates, tools,
+                                       kwargs.get("chat_template"))
+            native = template_handles_tools(template)
+            conversation = prepare_tool_messages(conversation, tools, self.tool_parser, native)
+            if native and tools:
+                kwargs["tools"] = tools
+            ids = self.tokenizer.encode_chat(conversation, add_generation_prompt, **kwargs)
         except (ChatTemplateError, TypeError, ValueError) as e:
             raise APIError(400, f"the chat template failed: {e}", param="messages",
                            code="invalid_value") from None
         return self._prompt(ids, "messages")
 
+    async def _check_tool_schemas(self, tools: list[dict[str, Any]] | None) -> None:
+        """Every offered function's parameters must compile as a JSON schema (auto calls are
+        parsed, not constrained, but a schema the grammar cannot take is refused either way)."""
+        for i, tool in enumerate(tools or ()):
+            parameters = tool["function"].get("parameters")
+            if parameters is None:
+                continue
+            try:
+                spec = StructuredOutputs(json=parameters,
+                                         param=f"tools[{i}].function.parameters")
+                await asyncio.to_thread(self.engine.compile_grammar, spec)
+            except ConstraintError as e:
+                raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
+    async def _compile(self, params: SamplingParams) -> None:
+        """Compile the request's constraint off the event loop, before anything is queued:
+        one that does not compile is a 400 naming its field (the engine reuses the cache)."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
+        except ConstraintError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
     # ----- shared -----------------------------------------------------------------------------
 
     def _params(self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                prompts: list[_Prompt], max_tokens_param: str = "max_tokens") -> SamplingParams:
+                prompts: list[_Prompt], max_tokens_param: str = "max_tokens",
+                structured: StructuredOutputs | None = None) -> SamplingParams:
         longest = max(len(p.ids) for p in prompts)
         if max_tokens is None:  # until the context (or what the KV cache can hold) ends
             max_tokens = max(1, min(self.max_model_len, self.kv_cache_tokens) - longest)
@@ -138,7 +199,8 @@ class OpenAIServing:
                            f"{self.max_model_len} tokens", param=max_tokens_param,
                            code="context_length_exceeded")
         try:
-            return SamplingParams(**_sampling_kwargs(req, max_tokens, logprobs))
+            return SamplingParams(**_sampling_kwargs(req, max_tokens, logprobs),
+                                  structured_outputs=structured)
         except ValueError as e:
             name = str(e).split(" ", 1)[0]
             if name == "max_tokens":
@@ -170,6 +232,40 @@ class OpenAIServing:
         return streams
 
 
+def _constraint(req: _SamplingFields) -> StructuredOutputs | None:
+    try:
+        return from_request(
+            response_format=req.response_format, structured_outputs=req.structured_outputs,
+            guided_json=req.guided_json, guided_regex=req.guided_regex,
+            guided_choice=req.guided_choice, guided_grammar=req.guided_grammar,
+            guided_whitespace_pattern=req.guided_whitespace_pattern)
+    except ConstraintError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
+
+def _check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """OpenAI function tools: ``{"type": "function", "function": {"name", "description"?,
+    "parameters"?}}``, names unique."""
+    if tools is None:
+        return None
+    names = set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        where = f"tools[{i}]"
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise APIError(400, f"{where} must be {{'type': 'function', 'function': {{...}}}}",
+                           param=where, code="invalid_value")
+        name = function.get("name")
+        if not isinstance(name, str) or not name or name in names:
+            raise APIError(400, f"{where}.function.name must be a unique non-empty string",
+                           param=f"{where}.function.name", code="invalid_value")
+        names.add(name)
+        if not isinstance(function.get("parameters", {}), dict):
+            raise APIError(400, f"{where}.function.parameters must be a JSON schema object",
+                           param=f"{where}.function.parameters", code="invalid_value")
+    return tools
+
+
 def _message_dict(m: ChatMessage, index: int) -> dict[str, Any]:
     content = m.content
     if isinstance(content, list):
@@ -183,6 +279,10 @@ def _message_dict(m: ChatMessage, index: int) -> dict[str, Any]:
     d: dict[str, Any] = {"role": m.role, "content": content or ""}
     if m.name is not None:
         d["name"] = m.name
+    if m.tool_calls is not None:
+        d["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
     return d
 
 
@@ -317,6 +417,7 @@ class _ChoiceCursor:
         self.offset = text_offset  # completions' text_offset of the next token
         self.done = False
         self.started = False
+        self.tool_calls = False  # a tool call was streamed (chat with tools)
 
 
 class _CompletionFormat:
@@ -407,10 +508,15 @@ def _stream_chunk(fmt: _CompletionFormat | _ChatFormat, obj: str, choices: list[
 
 
 class _ChatFormat:
-    def __init__(self, serving: OpenAIServing, rid: str, req: ChatCompletionRequest):
+    """Chat responses and chunks; with a tool ``parser`` (tools offered, tool_choice not
+    "none") the text is split into content and ``tool_calls``, whole or as it streams."""
+
+    def __init__(self, serving: OpenAIServing, rid: str, req: ChatCompletionRequest,
+                 parser: ToolCallParser | None = None):
         self.s = serving
         self.rid = rid
         self.req = req
+        self.parser = parser
         self.created = int(time.time())
 
     def _entry(self, token_id: int, logprob: float) -> dict:
@@ -428,6 +534,7 @@ class _ChatFormat:
 
     async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
         cursors = [_ChoiceCursor() for _ in range(self.req.n)]
+        streamers = [self.parser.streamer() if self.parser else None for _ in range(self.req.n)]
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         final = None
         for i in range(self.req.n):  # the role first, like OpenAI, so clients see headers early
@@ -435,33 +542,60 @@ class _ChatFormat:
                                 "logprobs": None, "finish_reason": None}], include_usage)
         async for _, out in outputs:
             final = out
-            choices = [d for c in out.outputs
-                       if (d := self._delta(c, cursors[c.index])) is not None]
-            if choices:
-                yield self._chunk(choices, include_usage)
+            pending = [self._deltas(c, cursors[c.index], streamers[c.index])
+                       for c in out.outputs]
+            # A choice may have several deltas (text, then a call): the k-th of each per chunk.
+            for k in range(max(map(len, pending), default=0)):
+                yield self._chunk([d[k] for d in pending if k < len(d)], include_usage)
         if include_usage and final is not None:
             yield {**self._chunk([], False), "usage": _usage([final])}
 
-    def _delta(self, c, cursor: _ChoiceCursor) -> dict | None:
+    def _deltas(self, c, cursor: _ChoiceCursor, streamer: ToolCallStreamer | None) -> list[dict]:
         text = c.text[cursor.text:]
         entries = (c.logprobs or [])[cursor.logprobs:]
         finish = c.finish_reason.value if c.finish_reason and not cursor.done else None
         if not (text or entries or finish):
-            return None
+            return []
         cursor.text, cursor.logprobs = len(c.text), cursor.logprobs + len(entries)
         cursor.done = cursor.done or finish is not None
-        return {"index": c.index, "delta": {"content": text} if text else {},
-                "logprobs": self._logprobs(entries), "finish_reason": finish}
+        if streamer is None:
+            deltas = [{"content": text}] if text else []
+        else:
+            deltas = streamer.feed(text) if text else []
+            if finish:
+                deltas += streamer.finish()
+            cursor.tool_calls = cursor.tool_calls or any("tool_calls" in d for d in deltas)
+        if finish == "stop" and cursor.tool_calls:
+            finish = "tool_calls"
+        out = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}
+               for d in deltas or [{}]]
+        out[0]["logprobs"] = self._logprobs(entries)
+        out[-1]["finish_reason"] = finish
+        return out
+
+    def _message(self, c) -> tuple[dict, str | None]:
+        """The assistant message of a finished choice and its finish reason."""
+        finish = c.finish_reason.value if c.finish_reason else None
+        if self.parser is None:
+            return {"role": "assistant", "content": c.text}, finish
+        parsed = self.parser.parse(c.text)
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+            if finish == "stop":
+                finish = "tool_calls"
+        return message, finish
 
     def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
         return _stream_chunk(self, "chat.completion.chunk", choices, include_usage)
 
     def response(self, out: RequestOutput) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.logprobs or []),
-                    "finish_reason": c.finish_reason.value if c.finish_reason else None,
-                    "stop_reason": c.stop_reason}
-                   for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = self._message(c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(c.logprobs or []),
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": self.rid, "object": "chat.completion", "created": self.created,
                 "model": self.s.model_name, "choices": choices,
                 "usage": _usage([out])}
