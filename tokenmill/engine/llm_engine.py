@@ -311,14 +311,16 @@ class LLMEngine:
         return result
 
     def _advance_grammar(self, seq: Request, token_ids: list[int]) -> None:
-        """The grammar consumes the tokens; a complete grammar ends the sequence (stop)."""
+        """The grammar consumes the tokens. A complete grammar allows only EOS next, which ends
+        the sequence like any EOS (with or without jump-forward, whose drafts stop short of
+        it); a sequence that ignores EOS is ended here instead (stop)."""
         try:
             complete = self.structured.advance(seq, token_ids)
         except ValueError:  # a broken invariant, not bad input: end this sequence, not all
             logger.exception("grammar state of %s lost; aborting it", seq.request_id)
             self.scheduler.abort_request(seq.request_id)
             return
-        if complete:
+        if complete and seq.stop_token_ids.isdisjoint(self.eos_token_ids):
             self.scheduler.finish_request(seq.request_id, FinishReason.STOP)
 
     def _process(self, updates: list[SeqUpdate],

@@ -51,19 +51,22 @@ class GrammarStats:
 class CompiledGrammar:
     """A compiled constraint: a matcher at the start state, copied for each new sequence."""
 
-    def __init__(self, spec: StructuredOutputs, template: llguidance.LLMatcher):
+    def __init__(self, spec: StructuredOutputs, template: llguidance.LLMatcher,
+                 eos_token_ids: frozenset[int]):
         self.spec = spec
         self._template = template
+        self._eos = eos_token_ids
 
     def matcher(self) -> SequenceGrammar:
-        return SequenceGrammar(self._template.deep_copy())
+        return SequenceGrammar(self._template.deep_copy(), self._eos)
 
 
 class SequenceGrammar:
     """The grammar state of one sequence."""
 
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]):
         self._m = matcher
+        self._eos = eos_token_ids
 
     def accept(self, token_ids: Sequence[int]) -> None:
         """Advance over accepted tokens; a token the grammar forbids raises ``ValueError``
@@ -78,8 +81,11 @@ class SequenceGrammar:
         return self._m.is_stopped()
 
     def forced_tokens(self) -> list[int]:
-        """Tokens the grammar forces next (jump-forward), canonically tokenized."""
-        return self._m.compute_ff_tokens()[:MAX_FORCED_TOKENS]
+        """Tokens the grammar forces next (jump-forward), canonically tokenized; never the
+        end itself (a complete grammar ends the sequence, as it does without jump-forward)."""
+        forced = self._m.compute_ff_tokens()[:MAX_FORCED_TOKENS]
+        end = next((i for i, t in enumerate(forced) if t in self._eos), len(forced))
+        return forced[:end]
 
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
         """How many leading ``token_ids`` the grammar allows from here."""
@@ -131,7 +137,7 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 return hit
             start = time.perf_counter()
-            compiled = CompiledGrammar(spec, self._compile(spec))
+            compiled = CompiledGrammar(spec, self._compile(spec), frozenset(self._eos))
             self.stats.num_compiled += 1
             self.stats.compile_seconds += time.perf_counter() - start
             self._cache[key] = compiled
