@@ -1,0 +1,242 @@
+"""Structured output and tool calling through a real ``tokenmill serve``, with the official
+``openai`` client, LangChain's ``ChatOpenAI`` and plain HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.structured_cases import REGEXES, SCHEMAS, regex_prompt, schema_prompt
+from tests.test_server_support import MODEL, metrics, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 30},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object",
+                   "properties": {"a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                                  "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
+                   "required": ["a", "b"]}}}
+TOOLS = [WEATHER, ADD]
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory, "--max-num-seqs", "64")
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_schemas_and_regexes_always_validate(server):
+    """22 schemas and 10 regexes, greedy and at temperature 1, 64 requests at once."""
+    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused",
+                                 max_retries=0, timeout=300)
+
+    async def schema_case(name, schema, temperature):
+        r = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": schema_prompt(name)}],
+            temperature=temperature, max_tokens=256, seed=11,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": name, "schema": schema, "strict": True}})
+        return r.choices[0], lambda text: jsonschema.validate(json.loads(text), schema)
+
+    async def regex_case(name, regex, temperature):
+        r = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": regex_prompt(name)}],
+            temperature=temperature, max_tokens=64, seed=11,
+            extra_body={"structured_outputs": {"regex": regex}})
+        return r.choices[0], lambda text: re.fullmatch(regex, text) or pytest.fail(text)
+
+    async def run():
+        cases = [schema_case(n, s, t) for t in (0.0, 1.0) for n, s in SCHEMAS.items()]
+        cases += [regex_case(n, r, t) for t in (0.0, 1.0) for n, r in REGEXES.items()]
+        return await asyncio.gather(*cases)
+
+    results = asyncio.run(run())
+    assert len(results) == 2 * (len(SCHEMAS) + len(REGEXES)) >= 64
+    for choice, check in results:
+        assert choice.finish_reason == "stop", choice.message.content
+        check(choice.message.content)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+    population: int = Field(ge=0, le=50_000_000)
+
+
+def test_openai_parse_returns_the_model(client):
+    r = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City, temperature=0, max_tokens=100)
+    assert isinstance(r.choices[0].message.parsed, City)
+
+
+def test_langchain_structured_output_and_tools(server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="unused",
+                     temperature=0, max_tokens=120, max_retries=0)
+    city = llm.with_structured_output(City).invoke("Describe Paris as JSON.")
+    assert isinstance(city, City)
+
+    class GetWeather(BaseModel):
+        """Current weather in a city."""
+
+        city: str = Field(max_length=30)
+
+    message = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke("Weather in Rome?")
+    assert [c["name"] for c in message.tool_calls] == ["GetWeather"]
+    GetWeather(**message.tool_calls[0]["args"])
+    message = llm.bind_tools([GetWeather], tool_choice="any").invoke("Weather in Rome?")
+    assert message.tool_calls and all(c["name"] == "GetWeather" for c in message.tool_calls)
+
+
+def assert_valid_calls(message, names):
+    assert message.tool_calls, message.content
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "add"}}])
+def test_required_and_named_choice_always_call_an_offered_tool(client, tool_choice):
+    names = {"add"} if isinstance(tool_choice, dict) else {"get_weather", "add"}
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                           tool_choice=tool_choice, temperature=1.0, seed=seed,
+                                           max_tokens=150, parallel_tool_calls=False)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        assert len(choice.message.tool_calls) == 1
+        assert_valid_calls(choice.message, names)
+
+
+def reassemble(stream):
+    calls, content, finish = {}, "", None
+    for chunk in stream:
+        for d in chunk.choices:
+            finish = d.finish_reason or finish
+            content += d.delta.content or ""
+            for tc in d.delta.tool_calls or ():
+                call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = tc.id or call["id"]
+                if tc.function is not None:
+                    call["name"] += tc.function.name or ""
+                    call["arguments"] += tc.function.arguments or ""
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_streamed_tool_calls_reassemble_to_the_same_calls(client, tool_choice):
+    messages = ASK if tool_choice == "required" else [
+        {"role": "system", "content": "Always answer by calling a tool."}, *ASK]
+    # One call: greedy, this small model repeats its call until max_tokens when it may make
+    # several (the text is then cut mid-call).
+    kw = dict(model=MODEL, messages=messages, tools=TOOLS, tool_choice=tool_choice,
+              temperature=0, max_tokens=150, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content, calls, finish = reassemble(client.chat.completions.create(**kw, stream=True))
+    assert finish == whole.finish_reason
+    assert (content or None) == whole.message.content
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+    assert all(c["id"] and c["id"].startswith("call_") for c in calls)
+    if tool_choice == "required":
+        assert calls and finish == "tool_calls"
+
+
+def test_tool_results_in_the_history(client):
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather",
+                      "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
+                                       tool_choice="none", temperature=0, max_tokens=30)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    history[1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
+                                       max_tokens=5)
+    assert "arguments" in e.value.body["message"]
+
+
+def test_completions_take_constraints_too(client):
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", n=3,
+                                  temperature=1.0, seed=5, max_tokens=8,
+                                  extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert {c.text for c in r.choices} <= {"yes", "no", "maybe"}
+    r = client.completions.create(model=MODEL, prompt="A number:", max_tokens=12,
+                                  temperature=0, extra_body={"guided_regex": "[0-9]{2,4}"})
+    assert re.fullmatch("[0-9]{2,4}", r.choices[0].text)
+
+
+BAD = [
+    (dict(response_format={"type": "json_schema",
+                           "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
+     "response_format.json_schema.schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}),
+     "response_format.json_schema.schema"),
+    (dict(response_format={"type": "yaml"}), "response_format.type"),
+    (dict(extra_body={"guided_regex": "a(b"}), "guided_regex"),
+    (dict(extra_body={"structured_outputs": {"grammar": "root ::= ("}}), "structured_outputs"),
+    (dict(extra_body={"guided_regex": "a", "guided_choice": ["a"]}), "guided_choice"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "f",
+                                                   "parameters": {"type": "objectx"}}}]),
+     "tools[0].function.parameters"),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]),
+     "tools[0].function.name"),
+    (dict(tools=[{"type": "retrieval"}]), "tools[0]"),
+    (dict(tools=TOOLS, tool_choice="required",
+          response_format={"type": "json_object"}), "response_format"),
+]
+
+
+@pytest.mark.parametrize("kwargs, param", BAD, ids=[p for _, p in BAD])
+def test_bad_constraints_are_400s_naming_the_field(server, client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **kwargs)
+    body = e.value.body
+    assert body["type"] == "invalid_request_error" and body["param"] == param, body
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_server_keeps_serving_and_counts_constrained_work(server, client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=40, temperature=0,
+        response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    m = metrics(server.url)
+    assert m[("tokenmill:structured_output_requests_total", ())] >= 1
+    assert m[("tokenmill:grammar_mask_steps_total", ())] >= 1
+    assert m[("tokenmill:grammar_mask_seconds_total", ())] > 0
+    assert m[("tokenmill:grammar_compile_seconds_total", ())] > 0
