@@ -8,14 +8,14 @@ Per step (``LLMEngine.step``):
     start_masks   a worker thread fills the bitmask of every scored position of every
                   constrained sequence (after each draft prefix) while the forward runs
     runner        waits for the masks, applies them to the logits, samples, verifies drafts
-    advance       the grammar consumes the tokens the sequence accepted; a grammar that can
-                  only end finishes the sequence
+    advance       the grammar consumes the tokens the sequence accepted; a complete grammar
+                  allows only EOS, which ends the sequence
 
 Jump-forward is verification, not blind appending: forced tokens are drafts, and the runner
-keeps each only if the masked model picks it at its position. A forced token is the only token
-the mask allows there unless another tokenization of the same text exists, so nearly all are
-kept, several per forward pass; and the output is token for token what decoding one token per
-step gives, greedy or sampled, whatever tokenization the model prefers at a boundary.
+keeps each only if the masked model picks it at its position. There the mask allows only
+tokens that spell the forced text, so nearly all are kept, several per forward pass; and the
+output is token for token what decoding one token per step gives, greedy or sampled, whatever
+tokenization the model prefers at a boundary.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ class StructuredOutputs:
     - ``json_object``: any JSON object.
 
     ``whitespace_pattern`` (JSON only) is a regex for the whitespace allowed between tokens of
-    the JSON text. None (the default) allows none beyond the canonical ``", "`` and ``": "``
-    separators, so a model cannot pad blanks until ``max_tokens`` and the forced text between
-    values can be jumped over.
+    the JSON text. None (the default) allows none (compact ``,`` and ``:`` separators), so a
+    model cannot pad blanks until ``max_tokens`` and the forced text between values (keys,
+    quotes, braces) can be jumped over.
     """
 
     json: str | None = None
