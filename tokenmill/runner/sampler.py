@@ -5,7 +5,7 @@ Per row (vLLM / HF semantics):
     raw logits ──► log_softmax ─────────────────────────────────► logprobs ("raw" mode)
         │
         ├─ 1. logit_bias    + params.logit_bias
-        ├─ 2. grammar_mask  tokens outside row.token_bitmask -> -inf
+        ├─ 2. grammar_mask  tokens outside row.token_bitmask -> lowest float (never drawn)
         ├─ 3. min_tokens    row.stop_token_ids -> -inf while output < min_tokens
         ├─ 4. penalties     repetition (prompt + output), presence / frequency (output)
         ├─ greedy rows: argmax
