@@ -138,10 +138,10 @@ class GrammarMask(LogitsProcessor):
             if not any_allowed:
                 raise ValueError(f"token_bitmask of sequence {row.seq_id!r} allows no token "
                                  f"of the {vocab}-token vocabulary")
-        allowed = unpack_bitmask(words, vocab).to(logits.device, non_blocking=True)
+        allowed = _unpack_bits(words, vocab).to(logits.device, non_blocking=True)  # 0 / 1
         # Outside tokens get the lowest float added (they end at or near it, or at -inf): as
         # impossible as -inf for every later stage and for sampling, and one add instead of a
-        # masked_fill_, which is ~40x slower on a CPU (3.2 ms against 0.1 for 32 x 49,152).
+        # masked_fill_, which is ~20x slower on a CPU (3.2 ms against 0.15 for 32 x 49,152).
         lowest = torch.finfo(logits.dtype).min
         return _on_rows(logits, indices,
                         lambda x: x.add_(allowed.to(x.dtype).sub_(1).mul_(-lowest)))
@@ -165,13 +165,17 @@ def _fit_width(bitmask: torch.Tensor, width: int) -> torch.Tensor:
 
 def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """(rows, vocab) bool from (rows, words) int32: bit j of word i allows token 32 * i + j."""
+    return _unpack_bits(words, vocab).bool()
+
+
+def _unpack_bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``unpack_bitmask`` as uint8 0 / 1 (it converts to float 10x faster than bool does)."""
     if words.device.type == "cpu" and sys.byteorder == "little":  # ~12x the shifts below
         little = words.contiguous().numpy().view(np.uint8)
-        bits = np.unpackbits(little, axis=-1, count=vocab, bitorder="little")
-        return torch.from_numpy(bits).view(torch.bool)
+        return torch.from_numpy(np.unpackbits(little, axis=-1, count=vocab, bitorder="little"))
     shifts = torch.arange(_WORD_BITS, dtype=words.dtype, device=words.device)
     bits = (words.unsqueeze(-1) >> shifts) & 1  # (rows, words, 32); & 1 undoes the sign fill
-    return bits.flatten(1)[:, :vocab].bool()  # (rows, words * 32) -> (rows, vocab)
+    return bits.flatten(1)[:, :vocab].to(torch.uint8)  # (rows, words * 32) -> (rows, vocab)
 
 
 # --- 3. min_tokens -------------------------------------------------------------------------
