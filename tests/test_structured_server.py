@@ -169,6 +169,27 @@ def test_streamed_tool_calls_reassemble_to_the_same_calls(client, tool_choice):
         assert calls and finish == "tool_calls"
 
 
+def test_required_with_parallel_calls_may_call_several(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                       tool_choice="required", temperature=0, max_tokens=150)
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) > 1  # greedy, this model repeats its call until max_tokens
+    assert len({c.id for c in calls}) == len(calls)
+    assert_valid_calls(r.choices[0].message, {"get_weather", "add"})
+
+
+def test_json_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Describe Paris."}],
+              temperature=0, max_tokens=100,
+              response_format={"type": "json_schema",
+                               "json_schema": {"name": "city", "schema": SCHEMAS["recipe"]}})
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(**kw, stream=True) if c.choices)
+    assert streamed == whole
+    jsonschema.validate(json.loads(whole), SCHEMAS["recipe"])
+
+
 def test_tool_results_in_the_history(client):
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function",

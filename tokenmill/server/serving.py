@@ -564,6 +564,8 @@ class _ChatFormat:
             deltas = streamer.feed(text) if text else []
             if finish:
                 deltas += streamer.finish()
+            if not self.req.parallel_tool_calls:  # one call at most: later ones are dropped
+                deltas = [d for d in deltas if d.get("tool_calls", [{}])[0].get("index", 0) == 0]
             cursor.tool_calls = cursor.tool_calls or any("tool_calls" in d for d in deltas)
         if finish == "stop" and cursor.tool_calls:
             finish = "tool_calls"
@@ -579,6 +581,8 @@ class _ChatFormat:
         if self.parser is None:
             return {"role": "assistant", "content": c.text}, finish
         parsed = self.parser.parse(c.text)
+        if not self.req.parallel_tool_calls:  # one call at most (auto is parsed, not bounded)
+            del parsed.tool_calls[1:]
         message = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
