@@ -29,7 +29,6 @@ from tokenmill.structured.tool_parsers import ToolCallParser, ToolCallStreamer, 
 from tokenmill.structured.tool_prompt import prepare_tool_messages, template_handles_tools
 from tokenmill.structured.tools import check_tool_choice, tool_choice_constraint
 from tokenmill.tokenizer import ChatTemplateError
-from tokenmill.tokenizer.chat_template import select_template
 
 _PARAM_FIELDS = set(SamplingParams.__dataclass_fields__)
 
@@ -148,9 +147,8 @@ class OpenAIServing:
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
         try:
             kwargs = dict(kwargs or {})
-            template = select_template(self.tokenizer.chat_templates, tools,
-                                       kwargs.get("chat_template"))
-            native = template_handles_tools(template)
+            native = template_handles_tools(
+                self.tokenizer.template_source(tools, kwargs.get("chat_template")))
             conversation = prepare_tool_messages(conversation, tools, self.tool_parser, native)
             if native and tools:
                 kwargs["tools"] = tools

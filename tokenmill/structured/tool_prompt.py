@@ -5,44 +5,22 @@ Templates written for tool use (Qwen, Hermes) read a ``tools`` variable and rend
 tools (SmolLM2's ChatML) would silently drop both, so for them the tools are described in the
 system message and the calls and results are rewritten as plain text in the parser's syntax.
 
-Pure Python on purpose: no tokenizer, no torch. Every malformed input raises ``ValueError``
-naming the offending field, which the server returns as a 400.
+No torch and no tokenizer (the template is only parsed, by ``chat_template``). Every malformed
+input raises ``ValueError`` naming the offending field, which the server returns as a 400.
 """
 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
-from typing import Any, ClassVar
-
-import jinja2
-import jinja2.ext
-import jinja2.meta
-import jinja2.nodes
+from typing import Any
 
 from tokenmill.structured.tool_parsers import ToolCallParser
+from tokenmill.tokenizer.chat_template import template_variables
 
 
-class _GenerationBlock(jinja2.ext.Extension):
-    """Parse ``{% generation %}`` (a transformers marker some templates use) as its body."""
-
-    tags: ClassVar[set[str]] = {"generation"}
-
-    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-@lru_cache(maxsize=32)
 def template_handles_tools(source: str) -> bool:
     """Whether a Jinja chat template reads the ``tools`` variable."""
-    env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
-    try:
-        ast = env.parse(source)
-    except jinja2.TemplateSyntaxError:
-        # Rendering reports the syntax error properly; here it just is no tool template.
-        return False
-    return "tools" in jinja2.meta.find_undeclared_variables(ast)
+    return "tools" in template_variables(source)
 
 
 def prepare_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

@@ -16,6 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -62,13 +63,28 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=32)
-def _compile(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=32)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its context (none for one that does not compile:
+    rendering reports that)."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    env = _environment()
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:

@@ -127,13 +127,18 @@ class Tokenizer:
         ``chat_template`` is a template name or a full template source; extra keyword arguments
         become template variables (e.g. ``enable_thinking=False``).
         """
-        if chat_template is not None and chat_template not in self.chat_templates:
-            source = chat_template  # a full template passed by the caller
-        else:
-            source = select_template(self.chat_templates, tools, chat_template)
+        source = self.template_source(tools, chat_template)
         variables = {**self._special_token_variables(), **kwargs}
         return render_chat(source, messages, add_generation_prompt=add_generation_prompt,
                            tools=tools, variables=variables)
+
+    def template_source(self, tools: Sequence[Any] | None = None,
+                        chat_template: str | None = None) -> str:
+        """The template ``apply_chat_template`` renders: ``chat_template`` (a name, or a full
+        template passed by the caller), else the model's tool or default template."""
+        if chat_template is not None and chat_template not in self.chat_templates:
+            return chat_template
+        return select_template(self.chat_templates, tools, chat_template)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
