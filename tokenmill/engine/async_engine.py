@@ -310,6 +310,9 @@ class AsyncEngine:
                                     arrival_time=c.stream.timings.arrival,
                                     cache_salt=c.cache_salt)
         except Exception as e:
+            # Publish first: a stale snapshot would count this refused add as queued, and a
+            # caller told of the refusal could be refused admission for it.
+            self._publish()
             self._loop.call_soon_threadsafe(_settle, c.added, e)
             return
         self._streams[c.request_id] = c.stream
