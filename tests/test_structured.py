@@ -10,8 +10,7 @@ import jsonschema
 import pytest
 import torch
 
-from tokenmill import LLM, SamplingParams
-from tokenmill.structured import StructuredOutputs
+from tokenmill import LLM, SamplingParams, StructuredOutputs
 from tokenmill.structured.backend import GrammarBackend, GrammarError, closed_objects
 from tokenmill.structured.spec import ConstraintError, from_request
 from tokenmill.tokenizer import load_tokenizer
@@ -237,6 +236,23 @@ def test_preemption_keeps_grammar_state():
     assert [o.outputs[0].token_ids for o in got] == want
     for o in got:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS["recipe"])
+
+
+def test_json_object_and_whitespace_pattern(llm):
+    prompt = chat_prompt(llm, "Give a JSON object with a name and an age.")
+    anything = SamplingParams(temperature=0.0, max_tokens=80,
+                              structured_outputs=StructuredOutputs(json_object=True))
+    out = llm.generate(prompt, anything, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
+    for pattern, allowed in ((None, ""), (r"[ \n]{0,2}", " \n")):
+        spec = StructuredOutputs(json=PERSON, whitespace_pattern=pattern)
+        text = llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=80, seed=4,
+                                                   structured_outputs=spec),
+                            use_tqdm=False)[0].outputs[0].text
+        jsonschema.validate(json.loads(text), PERSON)
+        outside = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)  # whitespace outside strings
+        assert set(re.findall(r"\s", outside)) <= set(allowed)
+        assert not re.search(r"\s{3}", outside)
 
 
 def test_bad_constraint_queues_nothing(llm):

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import DEFAULT_MODEL
 from tokenmill.params import SamplingParams
+from tokenmill.structured.spec import StructuredOutputs
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
 
 __version__ = "0.1.0"
 
-__all__ = ["DEFAULT_MODEL", "LLM", "SamplingParams", "__version__"]
+__all__ = ["DEFAULT_MODEL", "LLM", "SamplingParams", "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
