@@ -20,7 +20,6 @@ tokenization the model prefers at a boundary.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -33,7 +32,6 @@ from tokenmill.sched.output import ScheduledChunk
 from tokenmill.structured.backend import CompiledGrammar, GrammarBackend, GrammarStats
 from tokenmill.structured.spec import StructuredOutputs
 
-logger = logging.getLogger("tokenmill.structured")
 _WORD_BITS = 32
 
 
@@ -132,7 +130,3 @@ class StructuredOutputManager:
         """Consume a running sequence's accepted tokens; True when its grammar is complete."""
         seq.grammar.accept(token_ids)
         return seq.grammar.is_stopped
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
