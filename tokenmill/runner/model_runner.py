@@ -58,7 +58,7 @@ class ModelRunner:
         rows = sampling_rows(chunks)
         if masks is not None:
             masks.apply(rows)
-        return accept_tokens(chunks, self.sampler(logits, rows))
+        return accept_tokens(chunks, self.sampler(logits, rows, owned=True))
 
     def forget(self, seq_ids: Iterable[str]) -> None:
         """Drop per-sequence state (seeded generators) of finished sequences."""

@@ -97,15 +97,20 @@ class Sampler:
         self._shared: dict[torch.device, torch.Generator] = {}
         self._seeded: dict[str, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """``logits``: (len(rows), vocab) float32, one row per position, left unmodified."""
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 owned: bool = False) -> SamplerOutput:
+        """``logits``: (len(rows), vocab), one row per position, left unmodified unless
+        ``owned`` (the caller gives them up: with no row asking for logprobs, which read the
+        raw logits, the processors then work in place instead of on a copy)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
         if not rows:
             return SamplerOutput([], [])
+        writable = (owned or logits.dtype != torch.float32) \
+            and all(r.params.logprobs is None for r in rows)
         logits = logits.float()
-        x = process_logits(logits, rows, self._all_rows)
-        tokens = self._choose(x, rows, owned=x is not logits)
+        x = process_logits(logits, rows, self._all_rows, owned=writable)
+        tokens = self._choose(x, rows, owned=writable or x is not logits)
         logprobs = compute_logprobs(logits, tokens, [r.params.logprobs for r in rows])
         return SamplerOutput(tokens.tolist(), logprobs)
 
