@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -45,18 +44,18 @@ class FakeRunner:
         self.before_execute: Callable[[Sequence[ScheduledChunk]], None] | None = None
 
     def execute(self, chunks: Sequence[ScheduledChunk], masks=None) -> ModelOutput:
+        # ``masks``: grammar masks, always None here (engines built from fakes have no grammar
+        # backend; structured output is tested with the real model).
+        assert masks is None
         if self.before_execute is not None:
             self.before_execute(chunks)
         self.num_executed += 1
         self.check_reads(chunks)
         self.write(chunks)
-        allowed = self.allowed_tokens(chunks, masks)
         out = ModelOutput()
-        row = 0
         for c in chunks:
             if c.num_logits:
-                tokens = self.accepted(c, allowed[row:row + c.num_logits])
-                row += c.num_logits
+                tokens = self.accepted(c)
                 out.token_ids[c.request_id] = tokens
                 out.logprobs[c.request_id] = [FakeLogprob(t, -0.25) for t in tokens]
         return out
@@ -64,27 +63,11 @@ class FakeRunner:
     def forget(self, seq_ids: Sequence[str]) -> None:
         self.forgotten.extend(seq_ids)
 
-    @staticmethod
-    def allowed_tokens(chunks: Sequence[ScheduledChunk], masks) -> list[set[int] | None]:
-        """Per logits row, the tokens a grammar mask allows (None: any)."""
-        rows = [SimpleNamespace(token_bitmask=None)
-                for c in chunks for _ in range(c.num_logits)]
-        if masks is not None:
-            masks.apply(rows)
-        return [None if r.token_bitmask is None else
-                {32 * w + b for w, word in enumerate(r.token_bitmask.tolist())
-                 for b in range(32) if word >> b & 1}
-                for r in rows]
-
-    def accepted(self, c: ScheduledChunk, allowed: Sequence[set[int] | None] = ()) -> list[int]:
-        """The model's token at each scored position, or the smallest the grammar allows
-        when it forbids the model's."""
+    def accepted(self, c: ScheduledChunk) -> list[int]:
         drafts = c.draft_token_ids
         tokens = []
         for j in range(c.num_logits):
-            token = self.model(c.request, drafts[:j])
-            ok = allowed[j] if j < len(allowed) else None
-            tokens.append(token if ok is None or token in ok else min(ok))
+            tokens.append(self.model(c.request, drafts[:j]))
             if j < len(drafts) and tokens[-1] != drafts[j]:
                 break
         if self.forced is not None:
