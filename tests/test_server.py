@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_server_support import MODEL, metrics, start_server, stop_server, wait_idle
+from tests.test_server_support import MODEL, metrics, server_fixtures, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -18,16 +18,7 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--max-num-seqs", "64")
-    yield s
-    stop_server(s)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+server, client = server_fixtures("--max-num-seqs", "64")
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -54,6 +55,22 @@ def start_server(tmp_path_factory, *extra: str, timeout: float = 120.0) -> Serve
         time.sleep(0.3)
     proc.kill()
     pytest.fail(f"server did not become healthy in {timeout}s:\n{server.log()}")
+
+
+def server_fixtures(*flags: str):
+    """Module-scoped ``server`` (``tokenmill serve`` with ``flags``) and ``client`` (the
+    official OpenAI client on it) fixtures: ``server, client = server_fixtures(...)``."""
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory):
+        s = start_server(tmp_path_factory, *flags)
+        yield s
+        stop_server(s)
+
+    @pytest.fixture(scope="module")
+    def client(server):
+        return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+    return server, client
 
 
 def stop_server(server: Server) -> None:

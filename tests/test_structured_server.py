@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.structured_cases import REGEXES, SCHEMAS, regex_prompt, schema_prompt
-from tests.test_server_support import MODEL, metrics, start_server, stop_server
+from tests.test_server_support import MODEL, metrics, server_fixtures
 
 pytestmark = pytest.mark.slow
 
@@ -35,16 +35,7 @@ SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--max-num-seqs", "64")
-    yield s
-    stop_server(s)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+server, client = server_fixtures("--max-num-seqs", "64")
 
 
 def test_schemas_and_regexes_always_validate(server):
