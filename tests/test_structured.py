@@ -255,6 +255,31 @@ def test_json_object_and_whitespace_pattern(llm):
         assert not re.search(r"\s{3}", outside)
 
 
+def test_auto_tool_grammar_checks_calls_and_leaves_text_free(backend):
+    from tokenmill.structured.tool_parsers import get_tool_parser
+    from tokenmill.structured.tools import tool_choice_constraint
+
+    tok, b = backend
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    call = '<tool_call>\n{"name":"add","arguments":{"a":1}}\n</tool_call>'
+    for parallel in (True, False):
+        grammar = b.compile(tool_choice_constraint(tools, "auto", parallel,
+                                                   get_tool_parser("hermes")))
+
+        def valid(text):
+            ids = tok.encode(text, add_special_tokens=False)
+            return grammar.matcher().valid_prefix(ids) == len(ids)
+        assert valid("Just text, a < b, <tool and all.")
+        assert valid(f"Let me add.{call}") and valid(f"{call} done.")
+        assert not valid('Sure.<tool_call>\n{"name":"sub"')  # not an offered function
+        assert not valid('<tool_call>\n{"name":"add","arguments":{"a":"one"}}')
+        assert valid(f"{call}\n{call}")
+        # A second call is checked too with parallel calls; without, text after the first is
+        # free (the server keeps only the first call).
+        assert valid(f'{call} then <tool_call>\n{{"name":"x"') == (not parallel)
+
+
 def test_bad_constraint_queues_nothing(llm):
     bad = SamplingParams(structured_outputs=StructuredOutputs(regex="(("))
     with pytest.raises(GrammarError):

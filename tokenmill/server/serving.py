@@ -107,10 +107,10 @@ class OpenAIServing:
         try:
             tool_mode = check_tool_choice(tools, req.tool_choice)
             structured = _constraint(req)
-            if tool_mode in ("required", "named"):
-                if structured is not None:
-                    raise ConstraintError(f"a {tool_mode} tool choice cannot be combined with "
-                                          f"another output constraint", structured.param)
+            if tool_mode in ("required", "named") and structured is not None:
+                raise ConstraintError(f"a {tool_mode} tool choice cannot be combined with "
+                                      f"another output constraint", structured.param)
+            if structured is None:  # auto with response_format: the format rules, calls parse
                 structured = tool_choice_constraint(tools, req.tool_choice,
                                                     req.parallel_tool_calls, self.tool_parser)
         except ConstraintError as e:

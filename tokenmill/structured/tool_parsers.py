@@ -83,9 +83,13 @@ class ToolCallParser(ABC):
         """The JSON schema of one call's body: the named function with these parameters."""
 
     @abstractmethod
+    def after_marker_grammar(self, body_schema: dict[str, Any]) -> str:
+        """A Lark expression for what follows ``start_marker`` in one call whose body matches
+        ``body_schema`` (llguidance's ``%json``), laid out as ``format_call`` writes it."""
+
     def call_grammar(self, body_schema: dict[str, Any]) -> str:
-        """A Lark expression for one call whose body matches ``body_schema`` (llguidance's
-        ``%json``), laid out as ``format_call`` writes it."""
+        """A Lark expression for one whole call, start marker included."""
+        return f"{json.dumps(self.start_marker)} {self.after_marker_grammar(body_schema)}"
 
     def parse(self, text: str) -> ParsedMessage:
         """Split a complete output into content and calls (never raises on bad calls)."""
@@ -134,9 +138,9 @@ class HermesToolParser(ToolCallParser):
                 "properties": {"name": {"const": name}, "arguments": parameters},
                 "required": ["name", "arguments"], "additionalProperties": False}
 
-    def call_grammar(self, body_schema: dict[str, Any]) -> str:
-        start, end = json.dumps(f"{self.start_marker}\n"), json.dumps(f"\n{self.end_marker}")
-        return f"{start} %json {json.dumps(body_schema)} {end}"
+    def after_marker_grammar(self, body_schema: dict[str, Any]) -> str:
+        end = json.dumps("\n" + self.end_marker)
+        return f'"\\n" %json {json.dumps(body_schema)} {end}'
 
     def _decode_body(self, body: str) -> tuple[str, dict[str, Any]] | None:
         try:
