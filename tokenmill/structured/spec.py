@@ -105,7 +105,9 @@ class StructuredOutputs:
 
 
 # vLLM's StructuredOutputsParams fields. `disable_any_whitespace` asks for what is already the
-# default here; the backend-choice fields name a library, and tokenmill has one.
+# default here. Ignored: `backend` and `disable_fallback` choose among libraries, and tokenmill
+# has one, which never falls back; `disable_additional_properties` tunes one library's handling
+# of objects that say nothing about extra keys, which tokenmill always closes (backend.py).
 _DICT_KEYS = {"json", "regex", "choice", "grammar", "json_object", "whitespace_pattern",
               "disable_any_whitespace"}
 _IGNORED_KEYS = {"backend", "disable_fallback", "disable_additional_properties"}
