@@ -110,7 +110,7 @@ class OpenAIServing:
             if tool_mode in ("required", "named") and structured is not None:
                 raise ConstraintError(f"a {tool_mode} tool choice cannot be combined with "
                                       f"another output constraint", structured.param)
-            if structured is None:  # auto with response_format: the format rules, calls parse
+            if structured is None:  # the tools' grammar, unless auto met a response_format
                 structured = tool_choice_constraint(tools, req.tool_choice,
                                                     req.parallel_tool_calls, self.tool_parser)
         except ConstraintError as e:
