@@ -26,7 +26,8 @@ from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatMess
                                        CompletionRequest, _SamplingFields)
 from tokenmill.structured.spec import ConstraintError, StructuredOutputs, from_request
 from tokenmill.structured.tool_parsers import ToolCallParser, ToolCallStreamer, get_tool_parser
-from tokenmill.structured.tool_prompt import prepare_tool_messages, template_handles_tools
+from tokenmill.structured.tool_prompt import (ToolsError, check_tools, prepare_tool_messages,
+                                              template_handles_tools)
 from tokenmill.structured.tools import check_tool_choice, tool_choice_constraint
 from tokenmill.tokenizer import ChatTemplateError
 
@@ -242,25 +243,11 @@ def _constraint(req: _SamplingFields) -> StructuredOutputs | None:
 
 
 def _check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """OpenAI function tools: ``{"type": "function", "function": {"name", "description"?,
-    "parameters"?}}``, names unique."""
-    if tools is None:
-        return None
-    names = set()
-    for i, tool in enumerate(tools):
-        function = tool.get("function")
-        where = f"tools[{i}]"
-        if tool.get("type") != "function" or not isinstance(function, dict):
-            raise APIError(400, f"{where} must be {{'type': 'function', 'function': {{...}}}}",
-                           param=where, code="invalid_value")
-        name = function.get("name")
-        if not isinstance(name, str) or not name or name in names:
-            raise APIError(400, f"{where}.function.name must be a unique non-empty string",
-                           param=f"{where}.function.name", code="invalid_value")
-        names.add(name)
-        if not isinstance(function.get("parameters", {}), dict):
-            raise APIError(400, f"{where}.function.parameters must be a JSON schema object",
-                           param=f"{where}.function.parameters", code="invalid_value")
+    if tools is not None:
+        try:
+            check_tools(tools)
+        except ToolsError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
     return tools
 
 

@@ -35,7 +35,7 @@ def prepare_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, 
     ``<tool_response>`` blocks (consecutive results share one turn).
     """
     tools = tools or []
-    _check_tools(tools)
+    check_tools(tools)
     if template_handles_tools:
         return [_decode_tool_calls(m, i) for i, m in enumerate(messages)]
     out = _as_plain_messages(messages, parser)
@@ -82,11 +82,34 @@ def tool_section(tools: list[dict[str, Any]], parser: ToolCallParser) -> str:
     )
 
 
-def _check_tools(tools: list[dict[str, Any]]) -> None:
+class ToolsError(ValueError):
+    """Malformed ``tools``; ``param`` names the offending field (the server's 400 reports it)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_tools(tools: list[dict[str, Any]]) -> None:
+    """OpenAI function tools: ``{"type": "function", "function": {"name", "description"?,
+    "parameters"?}}``, names unique. Raises ``ToolsError`` naming the field."""
+    names: set[str] = set()
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ToolsError(f"{where} must be {{'type': 'function', 'function': {{...}}}}",
+                             where)
+        function = tool.get("function")
         name = function.get("name") if isinstance(function, dict) else None
-        _require(isinstance(name, str) and bool(name), f"tools[{i}].function.name is required")
+        if not isinstance(name, str) or not name:
+            raise ToolsError(f"{where}.function.name is required", f"{where}.function.name")
+        if name in names:
+            raise ToolsError(f"{where}.function.name {name!r} is offered twice",
+                             f"{where}.function.name")
+        names.add(name)
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ToolsError(f"{where}.function.parameters must be a JSON schema object",
+                             f"{where}.function.parameters")
 
 
 def _add_tool_section(out: list[dict[str, Any]], tools: list[dict[str, Any]],
