@@ -282,11 +282,14 @@ class LLMEngine:
         return outputs
 
     def _propose(self) -> None:
-        if (self.proposer is None and self.structured is None) or not self.scheduler.num_running:
+        if not self.scheduler.num_running:
             return
         running = list(self.scheduler.running)
+        constrained = self.structured is not None and any(r.grammar is not None for r in running)
+        if self.proposer is None and not constrained:  # an unconstrained batch: nothing to do
+            return
         drafts = self.proposer.propose(running) if self.proposer is not None else {}
-        if self.structured is not None:
+        if constrained:
             drafts = self.structured.propose(running, drafts)
         for request in running:
             request.spec_token_ids = list(drafts.get(request.request_id, ()))
