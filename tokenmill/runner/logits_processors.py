@@ -150,11 +150,16 @@ class GrammarMask(LogitsProcessor):
 def fit_bitmasks(bitmasks: Sequence[torch.Tensor], vocab: int) -> torch.Tensor:
     """(rows, ceil(vocab / 32)) int32: the bitmasks stacked, each cut or zero-padded to cover
     exactly ``vocab`` tokens, with the bits past ``vocab`` in the last word cleared."""
-    width = -(-vocab // _WORD_BITS)
+    width = bitmask_width(vocab)
     words = torch.stack([_fit_width(b.flatten(), width) for b in bitmasks])  # a new tensor
     if vocab % _WORD_BITS:
         words[:, -1] &= (1 << vocab % _WORD_BITS) - 1
     return words
+
+
+def bitmask_width(vocab: int) -> int:
+    """Words of a token bitmask that covers ``vocab`` tokens."""
+    return -(-vocab // _WORD_BITS)
 
 
 def _fit_width(bitmask: torch.Tensor, width: int) -> torch.Tensor:

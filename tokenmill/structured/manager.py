@@ -28,11 +28,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from tokenmill.request import Request
+from tokenmill.runner.logits_processors import bitmask_width
 from tokenmill.sched.output import ScheduledChunk
 from tokenmill.structured.backend import CompiledGrammar, GrammarBackend, GrammarStats
 from tokenmill.structured.spec import StructuredOutputs
 
-_WORD_BITS = 32
 
 
 class PendingMasks:
@@ -106,7 +106,7 @@ class StructuredOutputManager:
             row += c.num_logits
         if not work:
             return None
-        words = torch.zeros(row, -(-self.backend.vocab_size // _WORD_BITS), dtype=torch.int32)
+        words = torch.zeros(row, bitmask_width(self.backend.vocab_size), dtype=torch.int32)
         return PendingMasks(self._worker().submit(self._fill, work, words), rows)
 
     def _fill(self, work: list[tuple[ScheduledChunk, int]], words: torch.Tensor) -> torch.Tensor:
