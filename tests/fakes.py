@@ -39,11 +39,11 @@ class FakeRunner:
         self.model = model
         self.forced = forced  # tokens appended after the scored ones (a grammar's forced text)
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
-        self.forgotten: list[str] = []
         self.num_executed = 0
         self.before_execute: Callable[[Sequence[ScheduledChunk]], None] | None = None
 
-    def execute(self, chunks: Sequence[ScheduledChunk], masks=None) -> ModelOutput:
+    def execute(self, chunks: Sequence[ScheduledChunk], masks=None,
+                draft_probs=None) -> ModelOutput:
         # ``masks``: grammar masks, always None here (engines built from fakes have no grammar
         # backend; structured output is tested with the real model).
         assert masks is None
@@ -59,9 +59,6 @@ class FakeRunner:
                 out.token_ids[c.request_id] = tokens
                 out.logprobs[c.request_id] = [FakeLogprob(t, -0.25) for t in tokens]
         return out
-
-    def forget(self, seq_ids: Sequence[str]) -> None:
-        self.forgotten.extend(seq_ids)
 
     def accepted(self, c: ScheduledChunk) -> list[int]:
         drafts = c.draft_token_ids

@@ -42,10 +42,14 @@ class ListProposer:
     def __init__(self, drafts) -> None:
         self.drafts = drafts
         self.calls = 0
+        self.forgotten: list[str] = []
 
     def propose(self, requests: Sequence[Request]) -> Mapping[str, list[int]]:
         self.calls += 1
         return {r.request_id: self.drafts(r) for r in requests}
+
+    def forget(self, seq_ids: Sequence[str]) -> None:
+        self.forgotten.extend(seq_ids)
 
 
 def true_continuation(request: Request, k: int) -> list[int]:
@@ -242,7 +246,7 @@ def test_abort_while_tokens_are_pending() -> None:
     engine.runner.before_execute = None
     assert engine.abort_request("y") and not engine.abort_request("x")
     assert engine.step() == [] and not engine.has_unfinished_requests()
-    assert set(engine.runner.forgotten) == {"x", "y"}
+    assert set(engine.proposer.forgotten) == {"x", "y"}
     check_clean(engine)
 
 

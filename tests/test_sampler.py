@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from tokenmill.params import SamplingParams
 from tokenmill.runner import logits_processors as processors_module
 from tokenmill.runner.logits_processors import LogitBias, LogitsProcessor, Temperature
 from tokenmill.runner.sampler import (
-    Sampler, SamplingRow, apply_penalties, apply_top_k_top_p, default_processors, process_logits,
-    token_counts, unpack_bitmask)
+    Sampler, SamplingRow, apply_penalties, apply_top_k_top_p, default_processors, position_seed,
+    process_logits, token_counts, unpack_bitmask)
 
 VOCAB = 64
 EOS = 3
@@ -52,12 +53,12 @@ def run_steps(sampler: Sampler, logits: torch.Tensor, target: SamplingRow, steps
               others: Sequence[SamplingRow] = (), position: int = 0,
               device: str = "cpu") -> list[int]:
     """Sample `steps` tokens for `target` from logits[0], batched with `others` at `position`
-    (the other rows get fresh random logits every step)."""
-    tokens = []
+    (the other rows get fresh random logits every step); the target's output grows with them."""
+    tokens: list[int] = []
     at = position % (len(others) + 1)
     for step in range(steps):
         batch = list(others)
-        batch.insert(at, target)
+        batch.insert(at, replace(target, output_token_ids=[*target.output_token_ids, *tokens]))
         noise = rand_logits(len(batch), seed=100 + step, device=device)
         noise[at] = logits[0].to(device)
         tokens.append(sampler(noise, batch).token_ids[at])
@@ -562,7 +563,7 @@ def test_different_seeds_differ_and_unseeded_is_random() -> None:
     assert c != d  # no sampler seed: nondeterministic
 
 
-def test_rows_of_one_seeded_sequence_take_successive_draws() -> None:
+def test_rows_of_one_seeded_sequence_draw_by_position() -> None:
     # Speculative verification: k + 1 positions of one sequence, each with its output prefix.
     params = SamplingParams(seed=11)
     rows = [row(params, "t", output=[9] * i) for i in range(6)]
@@ -572,18 +573,95 @@ def test_rows_of_one_seeded_sequence_take_successive_draws() -> None:
     again = Sampler(seed=1)(logits, others[::-1] + rows).token_ids[2:]
     assert first == again
     assert len(set(first)) > 1
-    # The same draws as six consecutive steps of that sequence.
+    # The same draws as six consecutive steps of that sequence, and as any split of them.
     assert first == run_steps(Sampler(), flat_logits(), rows[0], 6)
+    assert first[3:] == Sampler()(logits[:3], rows[3:]).token_ids
 
 
-def test_forget_restarts_the_stream() -> None:
-    sampler = Sampler()
-    target = row(SamplingParams(seed=3), "t")
-    first = run_steps(sampler, flat_logits(), target, 6)
-    continued = run_steps(sampler, flat_logits(), target, 6)
-    sampler.forget(["t", "never-seen"])
-    assert continued != first
-    assert run_steps(sampler, flat_logits(), target, 6) == first
+def test_position_seeds_are_spread() -> None:
+    seeds = {position_seed(s, p, k) for s in range(4) for p in range(64) for k in range(4)}
+    assert len(seeds) == 4 * 64 * 4 and all(0 <= x < 2 ** 64 for x in seeds)
+
+
+# --- speculative verification: the rejection rule ----------------------------------------
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of observed ``counts`` against ``probs`` (cells expecting < 5 pooled)."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = torch.tensor(len(exp) - 1.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))  # the chi-square survival function
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=20),
+                                    SamplingParams(seed=5)])
+def test_rejection_rule_keeps_the_target_distribution(params: SamplingParams) -> None:
+    """Drafts from a deliberately bad q, verified by the rule: tokens are distributed as p."""
+    n = 20000
+    target = rand_logits(1, seed=21, scale=2.0)[0]
+    bad = rand_logits(1, seed=22, scale=2.0)[0]  # unrelated to the target
+    q = bad.softmax(-1)
+    gen = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen).tolist()
+    rows = [SamplingRow(f"s{i}", replace(params, seed=None if params.seed is None else i),
+                        [1], [], frozenset(), draft_token=d, draft_probs=q)
+            for i, d in enumerate(drafts)]
+    out = torch.tensor(Sampler(seed=1)(target.expand(n, -1).contiguous(), rows).token_ids)
+    # the target's distribution after its own processing (temperature, top-k)
+    p = process_logits(target[None], rows[:1]).softmax(-1)[0] if not params.greedy else None
+    counts = torch.bincount(out, minlength=VOCAB)
+    assert chi_square_p_value(counts, p) > 1e-3
+    accepted = (out == torch.tensor(drafts)).float().mean().item()
+    assert accepted == pytest.approx(torch.minimum(p, q).sum().item(), abs=0.02)
+
+
+def test_rejection_rule_accepts_a_perfect_draft_and_rejects_an_impossible_one() -> None:
+    logits = rand_logits(1, seed=3)[0]
+    p = logits.softmax(-1)
+    perfect = [SamplingRow(f"a{i}", SamplingParams(), [1], [], frozenset(), draft_token=t,
+                           draft_probs=p) for i, t in enumerate(range(VOCAB))]
+    out = Sampler(seed=0)(logits.expand(VOCAB, -1).contiguous(), perfect).token_ids
+    assert out == list(range(VOCAB))  # q == p: always accepted
+    banned = SamplingParams(logit_bias={7: -100.0})
+    q = torch.zeros(VOCAB)
+    q[7] = 1.0
+    rows = [SamplingRow(f"b{i}", banned, [1], [], frozenset(), draft_token=7, draft_probs=q)
+            for i in range(200)]
+    out = Sampler(seed=0)(logits.expand(200, -1).contiguous(), rows).token_ids
+    assert 7 not in out and len(set(out)) > 5
+
+
+def test_greedy_rows_ignore_draft_distributions() -> None:
+    logits = rand_logits(4, seed=8)
+    q = torch.full((VOCAB,), 1.0 / VOCAB)
+    rows = [SamplingRow(str(i), GREEDY, [1], [], frozenset(), draft_token=0, draft_probs=q)
+            for i in range(4)]
+    assert Sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_verification_is_reproducible() -> None:
+    logits = rand_logits(1, seed=9, scale=1.0)[0].expand(8, -1).contiguous()
+    q = rand_logits(1, seed=10, scale=1.0)[0].softmax(-1)
+    rows = [SamplingRow("t", SamplingParams(seed=3), [1], [5] * i, frozenset(), draft_token=i,
+                        draft_probs=q) for i in range(8)]
+    first = Sampler(seed=0)(logits, rows).token_ids
+    assert Sampler(seed=1)(logits, rows).token_ids == first
+
+
+def test_draft_draws_from_q_and_greedy_drafts_take_the_argmax() -> None:
+    logits = rand_logits(1, seed=12, scale=1.5)[0]
+    n = 20000
+    rows = [row(SamplingParams(temperature=0.8), f"d{i}") for i in range(n)]
+    tokens, probs = Sampler(seed=2).draft(logits.expand(n, -1).contiguous(), rows)
+    q = (logits / 0.8).softmax(-1)
+    assert torch.allclose(probs[0], q, atol=1e-6)
+    assert chi_square_p_value(torch.bincount(torch.tensor(tokens), minlength=VOCAB), q) > 1e-3
+    tokens, probs = Sampler().draft(logits[None], [row(GREEDY)])
+    assert tokens == [int(logits.argmax())] and probs == [None]
 
 
 # --- logprobs ---------------------------------------------------------------------------------

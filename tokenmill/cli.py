@@ -60,6 +60,25 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
     ("--no-jump-forward", "jump_forward", dict(
         action="store_const", const=False,
         help="structured output: decode grammar-forced text one token per step")),
+    ("--speculative-method", "speculative_method", dict(
+        choices=["ngram", "draft", "layerskip"],
+        help="speculative decoding: ngram (prompt lookup), draft (a draft model, "
+             "--speculative-model) or layerskip (the target's first layers draft); unset: off")),
+    ("--num-speculative-tokens", "num_speculative_tokens", dict(
+        type=int, help="speculative decoding: the most draft tokens per sequence and step")),
+    ("--prompt-lookup-min", "prompt_lookup_min", dict(
+        type=int, help="ngram speculation: shortest suffix to look up")),
+    ("--prompt-lookup-max", "prompt_lookup_max", dict(
+        type=int, help="ngram speculation: longest suffix to look up")),
+    ("--speculative-model", "speculative_model", dict(
+        help="draft speculation: the draft model (a .gguf file, a Hugging Face directory or "
+             "a known name) sharing the target's vocabulary")),
+    ("--speculative-draft-layers", "speculative_draft_layers", dict(
+        type=int, help="layerskip speculation: layers that draft (unset: a quarter)")),
+    ("--no-speculative-adaptive", "speculative_adaptive", dict(
+        action="store_const", const=False,
+        help="speculative decoding: always draft the full k (no choice by measured "
+             "acceptance and cost)")),
     ("--seed", "seed", dict(type=int, help="seed the sampling of requests that give no seed "
                                            "of their own, reproducibly (unset: random)")),
 ]

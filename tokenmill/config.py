@@ -83,6 +83,37 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``tokenmill/spec/``): a proposer drafts up to
+    ``num_speculative_tokens`` tokens per sequence and step, verified in the target's forward."""
+
+    speculative_method: str | None = None  # None (off) | "ngram" | "draft" | "layerskip"
+    num_speculative_tokens: int = 4  # the most drafts per sequence and step (k)
+    prompt_lookup_min: int = 2  # ngram: shortest suffix that may match
+    prompt_lookup_max: int = 5  # ngram: longest suffix tried first
+    speculative_model: str | None = None  # draft: a model sharing the target's vocabulary
+    # layerskip: the target's first L layers (+ its final norm and lm_head) draft;
+    # None: a quarter of the layers
+    speculative_draft_layers: int | None = None
+    # k per sequence and step from the measured acceptance and step costs (off: always k)
+    speculative_adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in (None, "ngram", "draft", "layerskip"):
+            raise ValueError(f"unknown speculative method {self.speculative_method!r}; "
+                             "use ngram, draft or layerskip")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("speculative method 'draft' needs a draft model "
+                             "(--speculative-model)")
+        if self.speculative_draft_layers is not None and self.speculative_draft_layers < 1:
+            raise ValueError("speculative_draft_layers must be at least 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "cpu"
@@ -102,6 +133,7 @@ class EngineConfig:
     jump_forward: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_options(cls, model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:
@@ -116,7 +148,8 @@ class EngineConfig:
         return cls(model=model, **top, **nested)
 
 
-_SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+_SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
+                              "speculative": SpeculativeConfig}
 
 
 def _section_of(option: str) -> str | None:

@@ -1,8 +1,8 @@
 """LLMEngine: the step loop. One step = propose -> schedule -> forward + sample -> update -> outputs.
 
 The engine is built from parts: a ``Scheduler`` (which tokens run, the KV blocks), a runner
-(tensors; anything with ``execute`` and ``forget``), a ``Tokenizer`` and, optionally, a draft
-proposer. ``LLMEngine.from_config`` builds the real ones from an ``EngineConfig``; tests build
+(tensors; anything with ``execute``), a ``Tokenizer`` and, optionally, a draft proposer
+(``spec.SpeculativeDecoder``, or anything with ``propose``). ``LLMEngine.from_config`` builds the real ones from an ``EngineConfig``; tests build
 it with a fake runner and no torch at all. The engine owns what needs text: detokenization,
 stop strings, logprobs bookkeeping. ``AsyncEngine`` and the server use only the public surface
 below (add, abort, step, stats, info, tokenizer, check_prompt).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,18 +35,23 @@ logger = logging.getLogger("tokenmill.engine")
 class Runner(Protocol):
     """What the engine needs of a model runner (``runner.ModelRunner`` is the real one)."""
 
-    def execute(self, chunks: Sequence[ScheduledChunk],
-                masks: PendingMasks | None = None) -> ModelOutput:
+    def execute(self, chunks: Sequence[ScheduledChunk], masks: PendingMasks | None = None,
+                draft_probs: Mapping[str, Sequence[object | None]] | None = None) -> ModelOutput:
         """One forward over the chunks; the accepted tokens of every chunk with logits.
         ``masks`` (structured output) are being filled while the forward runs; the runner
-        applies them (``masks.apply(rows)``) before sampling."""
-
-    def forget(self, seq_ids: Iterable[str]) -> None:
-        """Drop per-sequence state (seeded generators) of finished sequences."""
+        applies them (``masks.apply(rows)``) before sampling. ``draft_probs``: per sequence,
+        the distribution each of its drafts was drawn from (None: none), for the rejection
+        rule."""
 
 
 class DraftProposer(Protocol):
-    """Proposes continuations to verify (speculative decoding, ``spec/``)."""
+    """Proposes continuations to verify (speculative decoding, ``spec/``).
+
+    Optional, used where present (``spec.SpeculativeDecoder`` has them): ``draft_probs`` (per
+    sequence, the distributions of the latest drafts), ``observe(chunks, accepted tokens,
+    num_batched_tokens, seconds)`` after each step, ``forget(seq_ids)`` for ended sequences,
+    ``stats()`` (``spec.SpecStats``).
+    """
 
     def propose(self, requests: Sequence[Request]) -> Mapping[str, Sequence[int]]:
         """Draft tokens per sequence id for the running sequences; omitted ids get none."""
@@ -87,6 +92,7 @@ class EngineStats:
     grammar_compile_seconds: float = 0.0  # compiling constraints (cache misses)
     grammar_mask_seconds: float = 0.0  # filling token masks (alongside the forward)
     num_grammar_mask_steps: int = 0  # steps that filled masks
+    spec: object | None = None  # spec.SpecStats when speculative decoding is on
     forward_seconds: float = 0.0  # runner.execute: model forward + sampling
     scheduler_seconds: float = 0.0  # schedule() + update_from_output()
     step_seconds: float = 0.0  # whole steps, detokenization included
@@ -122,6 +128,7 @@ class LLMEngine:
         self.structured = structured
         self.seed = seed
         self.last_step = StepInfo()
+        self._draft_probs: dict[str, list] = {}  # of the drafts kept for the coming step
         self._requests: dict[str, RequestState] = {}
         self._num_added = 0
         self._counters = dict(num_steps=0, num_prompt_tokens_computed=0,
@@ -135,8 +142,9 @@ class LLMEngine:
         from tokenmill.attention import default_backend
         from tokenmill.model.loader import load_model
         from tokenmill.platform import choose_dtype, configure_threads, cpu_description
-        from tokenmill.runner.kv_cache import num_kv_blocks
+        from tokenmill.runner.kv_cache import bytes_per_block, num_kv_blocks
         from tokenmill.runner.model_runner import ModelRunner
+        from tokenmill.spec import build_decoder, load_draft_model
         from tokenmill.structured.backend import GrammarBackend
         from tokenmill.structured.manager import StructuredOutputManager
         from tokenmill.tokenizer import load_tokenizer
@@ -152,9 +160,16 @@ class LLMEngine:
         loaded = load_model(config.model, config.device, dtype, backend)
         model, cache = loaded.config, config.cache
         tokenizer = load_tokenizer(config.model)
+        draft = load_draft_model(config.speculative, loaded, tokenizer, config.device, dtype,
+                                 backend)
+        # A drafting model's cache holds as many tokens as the target's, within one budget.
+        draft_bytes = bytes_per_block(draft.config, cache.block_size, getattr(torch, dtype)) \
+            if draft else 0
         num_blocks = num_kv_blocks(model, cache.block_size, getattr(torch, dtype), config.device,
-                                   cache.kv_cache_memory, cache.num_blocks)
+                                   cache.kv_cache_memory, cache.num_blocks, draft_bytes)
         runner = ModelRunner(loaded, num_blocks, cache.block_size, config.device)
+        proposer = build_decoder(config.speculative, draft, num_blocks, cache.block_size,
+                                 config.device, config.scheduler.max_num_batched_tokens)
         max_len = min(config.scheduler.max_model_len or model.max_position_embeddings,
                       model.max_position_embeddings)
         scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), cache,
@@ -167,9 +182,13 @@ class LLMEngine:
                           cpu_description() if config.device.startswith("cpu") else {})
         logger.info("compute dtype %s (%s); attention backend %s; %s", dtype, dtype_reason,
                     backend, info.hardware or config.device)
+        if proposer is not None:
+            logger.info("speculative decoding: %s, up to %d tokens per step%s",
+                        proposer.name, config.speculative.num_speculative_tokens,
+                        ", adaptive" if config.speculative.speculative_adaptive else "")
         grammars = GrammarBackend(tokenizer.backend.to_str(), model.vocab_size,
                                   sorted(scheduler.eos_token_ids))
-        return cls(scheduler, runner, tokenizer, info,
+        return cls(scheduler, runner, tokenizer, info, proposer=proposer,
                    structured=StructuredOutputManager(grammars, config.jump_forward),
                    seed=config.seed)
 
@@ -243,7 +262,8 @@ class LLMEngine:
             kv_cache_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
             num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            scheduler_seconds=s.overhead_seconds_total, **self._grammar_stats(), **self._counters)
+            scheduler_seconds=s.overhead_seconds_total, **self._grammar_stats(), **self._counters,
+            spec=self.proposer.stats() if hasattr(self.proposer, "stats") else None)
 
     def _grammar_stats(self) -> dict:
         if self.structured is None:
@@ -268,8 +288,12 @@ class LLMEngine:
         preempted = self.scheduler.num_preemptions
         self._propose()
         out = self.scheduler.schedule()
-        self.runner.forget(out.finished_ids)
-        result = self._run(out) if out.scheduled else ModelOutput()
+        if out.finished_ids and hasattr(self.proposer, "forget"):
+            self.proposer.forget(out.finished_ids)
+        result, seconds = self._run(out) if out.scheduled else (ModelOutput(), 0.0)
+        if hasattr(self.proposer, "observe"):
+            self.proposer.observe(out.scheduled, result.token_ids, out.num_batched_tokens,
+                                  seconds)
         updates = self.scheduler.update_from_output(out, result.token_ids)
         outputs = self._process(updates, result.logprobs)
         new_tokens = sum(len(u.new_token_ids) for u in updates)
@@ -282,23 +306,29 @@ class LLMEngine:
         return outputs
 
     def _propose(self) -> None:
+        self._draft_probs = {}
         if not self.scheduler.num_running:
             return
         running = list(self.scheduler.running)
         constrained = self.structured is not None and any(r.grammar is not None for r in running)
         if self.proposer is None and not constrained:  # an unconstrained batch: nothing to do
             return
-        drafts = self.proposer.propose(running) if self.proposer is not None else {}
-        if constrained:
-            drafts = self.structured.propose(running, drafts)
+        proposed = self.proposer.propose(running) if self.proposer is not None else {}
+        probs = getattr(self.proposer, "draft_probs", None) or {}
+        drafts = self.structured.propose(running, proposed) if constrained else proposed
         for request in running:
-            request.spec_token_ids = list(drafts.get(request.request_id, ()))
+            seq_id = request.request_id
+            request.spec_token_ids = kept = list(drafts.get(seq_id, ()))
+            # The distributions go with the drafts while they are a prefix of what was drawn
+            # (a grammar may cut the drafts, or replace them by the text it forces).
+            if kept and seq_id in probs and list(proposed[seq_id][:len(kept)]) == kept:
+                self._draft_probs[seq_id] = probs[seq_id][:len(kept)]
 
-    def _run(self, out: SchedulerOutput) -> ModelOutput:
+    def _run(self, out: SchedulerOutput) -> tuple[ModelOutput, float]:
         start = time.perf_counter()
         try:
             masks = self.structured.start_masks(out.scheduled) if self.structured else None
-            result = self.runner.execute(out.scheduled, masks)
+            result = self.runner.execute(out.scheduled, masks, self._draft_probs or None)
         except Exception:
             # Leave no sequence half-run: the step's requests are aborted, the engine lives on.
             logger.exception("model step failed; aborting the %d requests in it",
@@ -307,11 +337,12 @@ class LLMEngine:
                 self.abort_request(chunk.request.group_id)
             self.scheduler.update_from_output(out, {})
             raise
-        self._counters["forward_seconds"] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._counters["forward_seconds"] += seconds
         self._counters["num_prompt_tokens_computed"] += sum(
             min(c.num_tokens, max(0, c.request.num_prompt_tokens - c.start_pos))
             for c in out.scheduled)
-        return result
+        return result, seconds
 
     def _advance_grammar(self, seq: Request, token_ids: list[int]) -> None:
         """The grammar consumes the tokens. A complete grammar allows only EOS next, which ends

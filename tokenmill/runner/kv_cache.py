@@ -53,12 +53,14 @@ def default_kv_cache_bytes(device: torch.device | str) -> int:
 
 def num_kv_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                   device: torch.device | str, kv_cache_memory: int | None = None,
-                  num_blocks: int | None = None) -> int:
-    """Blocks of KV cache to allocate: given outright, from a byte budget, or from free memory."""
+                  num_blocks: int | None = None, extra_bytes_per_block: int = 0) -> int:
+    """Blocks of KV cache to allocate: given outright, from a byte budget, or from free memory.
+    ``extra_bytes_per_block``: what each block costs elsewhere too (a draft model's cache of as
+    many tokens), paid from the same budget."""
     if num_blocks is not None:
         return num_blocks
     budget = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_bytes(device)
-    blocks = budget // bytes_per_block(cfg, block_size, dtype)
+    blocks = budget // (bytes_per_block(cfg, block_size, dtype) + extra_bytes_per_block)
     if blocks < 2:
         raise ValueError(f"KV cache budget of {budget} bytes holds less than 2 blocks of "
                          f"{block_size} tokens; raise --kv-cache-memory")

@@ -13,7 +13,7 @@ their own (a draft model) need the general rule, which ``spec/`` brings.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,20 +49,18 @@ class ModelRunner:
                           batch.logits_indices)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk],
-                masks: PendingMasks | None = None) -> ModelOutput:
+    def execute(self, chunks: Sequence[ScheduledChunk], masks: PendingMasks | None = None,
+                draft_probs: Mapping[str, Sequence[torch.Tensor | None]] | None = None
+                ) -> ModelOutput:
         """Forward the scheduler's chunks; the accepted tokens of each chunk with logits.
         Grammar ``masks``, filled by another thread while the forward runs, are applied to
-        their rows before sampling."""
+        their rows before sampling. ``draft_probs``: per sequence, the distribution each draft
+        was drawn from (a draft model's), for the rejection rule."""
         logits = self.forward(chunks)
-        rows = sampling_rows(chunks)
+        rows = sampling_rows(chunks, draft_probs)
         if masks is not None:
             masks.apply(rows)
         return accept_tokens(chunks, self.sampler(logits, rows, owned=True))
-
-    def forget(self, seq_ids: Iterable[str]) -> None:
-        """Drop per-sequence state (seeded generators) of finished sequences."""
-        self.sampler.forget(seq_ids)
 
     def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                         stop_ids: frozenset[int] = frozenset()) -> list[int]:
@@ -83,16 +81,23 @@ class ModelRunner:
         return out
 
 
-def sampling_rows(chunks: Sequence[ScheduledChunk]) -> list[SamplingRow]:
-    """One row per logits row: a chunk's j-th scored position follows its first j drafts."""
+def sampling_rows(chunks: Sequence[ScheduledChunk],
+                  draft_probs: Mapping[str, Sequence[torch.Tensor | None]] | None = None
+                  ) -> list[SamplingRow]:
+    """One row per logits row: a chunk's j-th scored position follows its first j drafts and,
+    where the draft there came with its distribution, verifies it by the rejection rule."""
     rows = []
     for c in chunks:
         r = c.request
         drafts = c.draft_token_ids
+        probs = draft_probs.get(c.request_id, ()) if draft_probs else ()
         for j in range(c.num_logits):
             output = r.output_token_ids if j == 0 else [*r.output_token_ids, *drafts[:j]]
-            rows.append(SamplingRow(c.request_id, r.sampling_params, r.prompt_token_ids, output,
-                                    r.stop_token_ids, r.seq_index))
+            row = SamplingRow(c.request_id, r.sampling_params, r.prompt_token_ids, output,
+                              r.stop_token_ids, r.seq_index)
+            if j < len(drafts) and j < len(probs) and probs[j] is not None:
+                row.draft_token, row.draft_probs = drafts[j], probs[j]
+            rows.append(row)
     return rows
 
 

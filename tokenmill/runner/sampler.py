@@ -25,15 +25,24 @@ single argmax, with no copy).
 A row is one position to sample: usually one per sequence, but speculative verification scores
 several positions of one sequence in one step (same ``seq_id``, each with its own output prefix).
 
-Randomness: a row whose ``params.seed`` is set draws from its own ``torch.Generator`` seeded
-with ``seed + seq_index`` and kept per ``seq_id`` until ``forget``; so its tokens do not depend
-on which other rows share the batch, or where. Rows of one sequence consume its generator in
-row order, as consecutive steps would. Unseeded rows share one generator.
+Speculative verification: a row may carry a draft token and the distribution q it was drawn
+from (``draft_probs``, a draft model's); it then follows the rejection rule instead of a plain
+draw: the draft is kept with probability min(1, p(d) / q(d)), else the row's token is drawn from
+normalize(max(p - q, 0)), so the token is distributed as p whatever q was. A draft with no
+distribution (n-gram, grammar, a greedy draft) needs no rule: the row is drawn from p as usual
+and the runner keeps the draft only if the draw equals it.
+
+Randomness: a row whose ``params.seed`` is set draws from a generator seeded with its seed, its
+``seq_index`` and its position in the output (``len(output_token_ids)``), one stream per use
+(the draw, a draft's draw, the acceptance test, the residual draw). So its tokens do not depend
+on which other rows share the batch, or where, nor on how many steps produced them: a
+sequence's token at position i is the same whether it was sampled alone or verified against a
+draft without a distribution. Unseeded rows share one generator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +54,8 @@ from tokenmill.runner.logits_processors import (  # noqa: F401  (re-exported: on
     process_logits, token_counts, unpack_bitmask)
 
 _U64 = (1 << 64) - 1  # torch.Generator.manual_seed takes seeds modulo 2**64
+# Streams of one seeded position (see the module docstring).
+SAMPLE, DRAFT, ACCEPT, RESIDUAL = range(4)
 # Exponential(1) draws this close to 0 would turn probs / q into inf or nan.
 _MIN_NOISE = 1e-20
 
@@ -64,6 +75,10 @@ class SamplingRow:
     # Grammar slot: allowed tokens as a packed int32 bitmask of ceil(vocab / 32) words
     # (bit j of word i allows token 32 * i + j); None = unconstrained.
     token_bitmask: torch.Tensor | None = None
+    # Speculative verification with a draft model: the draft token at this position and the
+    # draft's distribution q (vocab,) it was drawn from; None: a plain draw.
+    draft_token: int | None = None
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -81,7 +96,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Picks one token per row; holds the random generators (and nothing else) between steps."""
+    """Picks one token per row; holds the shared random generator (and nothing else)."""
 
     def __init__(self, seed: int | None = None,
                  processors: Sequence[LogitsProcessor] | None = None) -> None:
@@ -95,7 +110,7 @@ class Sampler:
             tail -= 1
         self._all_rows, self._sampled_rows = self.processors[:tail], self.processors[tail:]
         self._shared: dict[torch.device, torch.Generator] = {}
-        self._seeded: dict[str, torch.Generator] = {}
+        self._positional: dict[torch.device, torch.Generator] = {}  # re-seeded per use
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  owned: bool = False) -> SamplerOutput:
@@ -114,10 +129,26 @@ class Sampler:
         logprobs = compute_logprobs(logits, tokens, [r.params.logprobs for r in rows])
         return SamplerOutput(tokens.tolist(), logprobs)
 
-    def forget(self, seq_ids: Iterable[str]) -> None:
-        """Drop the generators of finished or aborted sequences."""
-        for seq_id in seq_ids:
-            self._seeded.pop(seq_id, None)
+    def draft(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+              owned: bool = False) -> tuple[list[int], list[torch.Tensor | None]]:
+        """A draft model's step: per row a token and the distribution it was drawn from
+        (processed exactly as the target's rows are, so q resembles p): greedy rows take the
+        argmax and get None (a draft without a distribution), sampled rows draw from q on
+        their own ``DRAFT`` stream."""
+        if not rows:
+            return [], []
+        x = process_logits(logits.float(), rows, self._all_rows, owned=owned)
+        tokens = x.argmax(dim=-1)
+        probs: list[torch.Tensor | None] = [None] * len(rows)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=x.device)
+            sub = [rows[i] for i in sampled]
+            q = process_logits(x[idx], sub, self._sampled_rows, owned=True).softmax(dim=-1)
+            tokens[idx] = (q / self._noise(q, sub, DRAFT)).argmax(dim=-1)
+            for j, i in enumerate(sampled):
+                probs[i] = q[j]
+        return tokens.tolist(), probs
 
     def _choose(self, x: torch.Tensor, rows: Sequence[SamplingRow],
                 owned: bool) -> torch.Tensor:
@@ -134,22 +165,44 @@ class Sampler:
         return tokens
 
     def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow], owned: bool) -> torch.Tensor:
-        """Draw from softmax of the processed logits per row (every row here samples)."""
+        """Draw from softmax of the processed logits per row (every row here samples); rows
+        with a draft distribution follow the rejection rule."""
         x = process_logits(x, rows, self._sampled_rows, owned)
         probs = x.softmax(dim=-1)
+        verify = [i for i, r in enumerate(rows) if r.draft_probs is not None]
+        p_verify = probs[verify] if verify else None  # before the draw below overwrites probs
         # argmax(p / q) with q ~ Exp(1) is a draw from p (the exponential race), with no sync.
-        return probs.div_(self._noise(probs, rows)).argmax(dim=-1)
+        tokens = probs.div_(self._noise(probs, rows, SAMPLE)).argmax(dim=-1)
+        if verify:
+            tokens[verify] = self._verify(p_verify, [rows[i] for i in verify])
+        return tokens
 
-    def _noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        q = torch.empty_like(probs)
+    def _verify(self, p: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The rejection rule for rows whose draft came with its distribution q."""
+        q = torch.stack([r.draft_probs.to(p.device, torch.float32) for r in rows])
+        drafts = torch.tensor([r.draft_token for r in rows], device=p.device)
+        p_d = p.gather(-1, drafts[:, None]).squeeze(-1)
+        q_d = q.gather(-1, drafts[:, None]).squeeze(-1)
+        u = self._noise(p[:, :1], rows, ACCEPT, uniform=True).squeeze(-1)
+        accept = u * q_d < p_d  # u < p/q without dividing by a q that may be 0
+        residual = (p - q).clamp_min_(0)
+        empty = residual.sum(-1, keepdim=True) <= 0  # p == q: rejection is impossible there
+        residual = torch.where(empty, p, residual)
+        resampled = residual.div_(self._noise(residual, rows, RESIDUAL)).argmax(dim=-1)
+        return torch.where(accept, drafts, resampled)
+
+    def _noise(self, like: torch.Tensor, rows: Sequence[SamplingRow], stream: int,
+               uniform: bool = False) -> torch.Tensor:
+        """Exp(1) draws (or U(0, 1) with ``uniform``) shaped like ``like``, one row per row."""
+        q = torch.empty_like(like)
+        fill = (lambda t, g: t.uniform_(generator=g)) if uniform else exponential_
         seeded = [(i, r) for i, r in enumerate(rows) if r.params.seed is not None]
         if len(seeded) < len(rows):
             # Seeded rows are overwritten below; drawing them here too keeps this one kernel.
-            exponential_(q, self._shared_generator(probs.device))
-        # In row order: several rows of one sequence take successive draws of its generator.
+            fill(q, self._shared_generator(like.device))
         for i, row in seeded:
-            exponential_(q[i], self._row_generator(row, probs.device))
-        return q.clamp_min_(_MIN_NOISE)
+            fill(q[i], self._row_generator(row, stream, like.device))
+        return q if uniform else q.clamp_min_(_MIN_NOISE)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         gen = self._shared.get(device)
@@ -162,14 +215,25 @@ class Sampler:
             self._shared[device] = gen
         return gen
 
-    def _row_generator(self, row: SamplingRow, device: torch.device) -> torch.Generator:
-        gen = self._seeded.get(row.seq_id)
+    def _row_generator(self, row: SamplingRow, stream: int,
+                       device: torch.device) -> torch.Generator:
+        gen = self._positional.get(device)
         if gen is None:
-            # seed + seq_index: the n sequences of a seeded request differ, reproducibly.
-            gen = torch.Generator(device=device)
-            gen.manual_seed((row.params.seed + row.seq_index) & _U64)
-            self._seeded[row.seq_id] = gen
+            gen = self._positional[device] = torch.Generator(device=device)
+        # seed + seq_index: the n sequences of a seeded request differ, reproducibly.
+        gen.manual_seed(position_seed(row.params.seed + row.seq_index,
+                                      len(row.output_token_ids), stream))
         return gen
+
+
+def position_seed(seed: int, position: int, stream: int) -> int:
+    """A 64-bit seed for one (sequence seed, output position, stream): splitmix64 of their mix,
+    so neighbouring positions get unrelated generator states."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + stream * 0xABC98388FB8FAC03
+         + 0x632BE59BD9B4E019) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
 
 
 def exponential_(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

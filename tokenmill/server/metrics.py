@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.async_engine import AsyncEngine, RequestTimings
 from tokenmill.request import RequestOutput
@@ -123,14 +123,43 @@ class _EngineCounters:
          "grammar_mask_seconds / grammar_mask_steps).", "num_grammar_mask_steps"),
     )
 
+    # speculative decoding (exported when it is on), vLLM's spec_decode names
+    _SPEC_COUNTERS = (
+        ("spec_decode_num_drafts", "Verifications that carried drafts.", "num_drafts"),
+        ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+         "num_draft_tokens"),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+    )
+
     def __init__(self, metrics: ServerMetrics):
         self._metrics = metrics
 
     def collect(self):
         engine = self._metrics._engine
         stats = engine.snapshot.stats if engine is not None else None
+        model = [self._metrics.model_name]
         for name, doc, field in self._COUNTERS:
             family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
-            family.add_metric([self._metrics.model_name],
-                              getattr(stats, field) if stats is not None else 0.0)
+            family.add_metric(model, getattr(stats, field) if stats is not None else 0.0)
             yield family
+        spec = stats.spec if stats is not None else None
+        if spec is None:
+            return
+        for name, doc, field in self._SPEC_COUNTERS:
+            family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            family.add_metric(model, getattr(spec, field))
+            yield family
+        family = CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens by their index in the drafts.",
+                                     labels=["model_name", "position"])
+        for position, count in enumerate(spec.accepted_per_position):
+            family.add_metric([*model, str(position)], count)
+        yield family
+        for name, doc, value in (
+                ("spec_decode_draft_acceptance_rate", "Accepted / proposed draft tokens, "
+                 "since start.", spec.acceptance_rate),
+                ("spec_decode_mean_accepted_length", "Tokens per verification (accepted "
+                 "drafts + the target's own), since start.", spec.mean_accepted_length)):
+            gauge = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            gauge.add_metric(model, value)
+            yield gauge

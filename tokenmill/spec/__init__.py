@@ -1,0 +1,80 @@
+"""Speculative decoding: proposers and the lossless verification they rely on.
+
+    ngram      prompt lookup (``ngram.NgramProposer``): no model, drafts without a distribution
+    draft      a draft model sharing the target's vocabulary (``drafter.ModelDrafter``), with its
+               own paged KV cache and block tables
+    layerskip  the target's first layers as the draft model (``drafter.EarlyExit``): no second
+               set of weights, only a KV cache for the layers that draft
+
+Verification is the step contract's: drafts ride in the target's forward after the last known
+token; the sampler keeps a draft only as the rejection rule allows (``runner/sampler.py``), the
+scheduler rolls rejected KV back. ``policy.AdaptivePolicy`` decides how many drafts pay for
+themselves each step; ``decoder.SpeculativeDecoder`` is what the engine talks to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokenmill.config import ModelConfig, SpeculativeConfig
+from tokenmill.spec.decoder import SpecStats, SpeculativeDecoder
+from tokenmill.spec.drafter import EarlyExit, ModelDrafter
+from tokenmill.spec.ngram import NgramProposer
+from tokenmill.spec.policy import AdaptivePolicy
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tokenmill.model.loader import LoadedModel
+    from tokenmill.tokenizer import Tokenizer
+
+
+@dataclass
+class DraftModel:
+    """A drafting model and the shape of its KV cache (decided before the target's is sized)."""
+
+    module: nn.Module
+    config: ModelConfig
+
+
+def load_draft_model(spec: SpeculativeConfig, target: LoadedModel, tokenizer: Tokenizer,
+                     device: str, dtype: str, attention_backend: str) -> DraftModel | None:
+    """The model that drafts for ``draft`` and ``layerskip``; None for the others."""
+    if spec.speculative_method == "layerskip":
+        layers = spec.speculative_draft_layers or max(1, target.config.num_layers // 4)
+        module = EarlyExit(target.model, layers)
+        return DraftModel(module, module.config)
+    if spec.speculative_method != "draft":
+        return None
+    from tokenmill.model.loader import load_model
+    from tokenmill.tokenizer import load_tokenizer
+
+    draft = load_model(spec.speculative_model, device, dtype, attention_backend)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft model {spec.speculative_model!r} has a vocabulary of "
+                         f"{draft.config.vocab_size} tokens, the target {target.config.vocab_size}"
+                         "; speculative decoding needs the same vocabulary")
+    if load_tokenizer(spec.speculative_model).backend.get_vocab() != \
+            tokenizer.backend.get_vocab():
+        raise ValueError(f"draft model {spec.speculative_model!r} tokenizes differently from "
+                         "the target; speculative decoding needs the same vocabulary")
+    return DraftModel(draft.model, draft.config)
+
+
+def build_decoder(spec: SpeculativeConfig, draft: DraftModel | None, num_blocks: int,
+                  block_size: int, device: str,
+                  max_num_batched_tokens: int) -> SpeculativeDecoder | None:
+    """The engine's proposer for ``spec`` (None when speculation is off)."""
+    if spec.speculative_method is None:
+        return None
+    if spec.speculative_method == "ngram":
+        method = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        method = ModelDrafter(draft.module, draft.config, num_blocks, block_size, device)
+    return SpeculativeDecoder(method, spec.num_speculative_tokens, spec.speculative_method,
+                              spec.speculative_adaptive, max_num_batched_tokens)
+
+
+__all__ = ["AdaptivePolicy", "DraftModel", "EarlyExit", "ModelDrafter", "NgramProposer",
+           "SpecStats", "SpeculativeDecoder", "build_decoder", "load_draft_model"]

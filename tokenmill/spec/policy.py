@@ -1,0 +1,155 @@
+"""How many tokens to draft, per sequence and step: from the measured acceptance of each
+sequence and the measured cost of a step, so speculation runs only where it pays.
+
+A sequence whose drafts are accepted with probability a (each given the ones before it) gains
+a + a^2 + ... + a^k tokens from k drafts. Every draft adds a token to the target's forward (and,
+for a model drafter, to its rounds). The policy picks the drafts that maximise tokens per second
+of the whole step:
+
+    rate(drafts) = (B + sum of the chosen gains) / (t_target(T0 + #drafts) + t_draft(rounds, #drafts))
+
+where B sequences make one token each anyway and T0 is the step's tokens without drafts. Gains
+a_r^j shrink with j, so the best set for a given number of drafts takes the largest gains; the
+policy tries every number (and, for a drafter, every number of rounds) and keeps the best, which
+is none at all when a large batch makes extra tokens expensive or acceptance is poor. Step costs
+are straight lines fitted to measured steps (recent ones weigh more); acceptance is counted
+per sequence, starting from the running average of all sequences.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+
+class LinearCost:
+    """seconds ~ a + b * tokens, least squares over samples decayed by ``decay`` each."""
+
+    def __init__(self, decay: float = 0.98, a: float = 0.0, b: float = 0.0) -> None:
+        self.decay = decay
+        self.a, self.b = a, b  # current fit (the prior until there is spread to fit)
+        self._s = np.zeros(5)  # weight, sum x, sum y, sum x^2, sum x*y
+        self.num_samples = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self._s *= self.decay
+        self._s += (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
+        self.num_samples += 1
+        w, sx, sy, sxx, sxy = self._s
+        var = sxx / w - (sx / w) ** 2
+        if var > 1.0:  # token counts spread enough to separate slope from intercept
+            b = (sxy / w - sx * sy / w / w) / var
+            self.b = max(b, 0.0)
+            self.a = max(sy / w - self.b * sx / w, 0.0)
+        elif self.b == 0.0 and self.a == 0.0:
+            self.a = sy / w
+
+    def __call__(self, tokens: float) -> float:
+        return self.a + self.b * tokens
+
+    @property
+    def fitted(self) -> bool:
+        return self.b > 0.0
+
+
+class AcceptanceTracker:
+    """Per-sequence probability that a draft is accepted given the ones before it.
+
+    One verification of n drafts of which m were accepted is m successes in m + (m < n) tries
+    (the geometric model's counts). Every step forgets a little (``step``): a sequence's own
+    counts fade within a few steps (one that moves from copying to free text is noticed, and
+    one that stopped drafting returns to the average and is tried again), and the average over
+    all sequences drifts back to its start (0.5) over a few hundred steps without news, so a
+    method switched off by a bad spell is tried again later. A sequence starts from the
+    average, counted as ``prior_weight`` tries.
+    """
+
+    def __init__(self, decay: float = 0.9, prior_weight: float = 2.0,
+                 global_decay: float = 0.995) -> None:
+        self.decay, self.prior_weight, self.global_decay = decay, prior_weight, global_decay
+        self._seq: dict[str, list[float]] = {}  # seq_id -> [successes, tries]
+        self._all = [1.0, 2.0]  # start (and resting point): 0.5
+
+    @property
+    def overall(self) -> float:
+        return self._all[0] / self._all[1]
+
+    def rate(self, seq_id: str) -> float:
+        s, t = self._seq.get(seq_id, (0.0, 0.0))
+        w = self.prior_weight
+        return (s + w * self.overall) / (t + w)
+
+    def step(self, seq_ids: Iterable[str]) -> None:
+        """A step went by for these sequences."""
+        for seq_id in seq_ids:
+            counts = self._seq.get(seq_id)
+            if counts is not None:
+                counts[0] *= self.decay
+                counts[1] *= self.decay
+        g = self.global_decay
+        self._all = [self._all[0] * g + (1 - g), self._all[1] * g + 2 * (1 - g)]
+
+    def record(self, seq_id: str, num_drafts: int, num_accepted: int) -> None:
+        tries = num_accepted + (num_accepted < num_drafts)
+        counts = self._seq.setdefault(seq_id, [0.0, 0.0])
+        counts[0] += num_accepted
+        counts[1] += tries
+        self._all[0] += num_accepted
+        self._all[1] += tries
+
+    def forget(self, seq_ids: Iterable[str]) -> None:
+        for seq_id in seq_ids:
+            self._seq.pop(seq_id, None)
+
+
+class AdaptivePolicy:
+    """Chooses k per sequence (0 to ``max_k``) for one step; see the module docstring."""
+
+    def __init__(self, max_k: int, drafter: bool, adaptive: bool = True) -> None:
+        self.max_k = max_k
+        self.drafter = drafter  # a model drafts: rounds cost time of their own
+        self.adaptive = adaptive
+        self.acceptance = AcceptanceTracker()
+        self.target_cost = LinearCost()
+        self.draft_cost = LinearCost()
+
+    def choose(self, seq_ids: Sequence[str], num_tokens: int, num_seqs: int,
+               limits: Mapping[str, int] | None = None) -> dict[str, int]:
+        """k per sequence of ``seq_ids`` (those that could draft) for a step of ``num_seqs``
+        sequences and ``num_tokens`` tokens without drafts; ``limits`` caps a sequence's k
+        (e.g. the drafts there are)."""
+        caps = np.array([min(self.max_k, limits.get(s, self.max_k)) if limits else self.max_k
+                         for s in seq_ids])
+        self.acceptance.step(seq_ids)
+        if not self.adaptive or not len(seq_ids):
+            return {s: int(c) for s, c in zip(seq_ids, caps) if c > 0}
+        if not self.target_cost.fitted:  # no measured slope yet: draft, and measure
+            return {s: int(c) for s, c in zip(seq_ids, caps) if c > 0}
+        rates = np.array([self.acceptance.rate(s) for s in seq_ids])
+        j = np.arange(1, self.max_k + 1)
+        gains = rates[:, None] ** j[None, :]  # (B, max_k): expected tokens of draft j
+        gains[j[None, :] > caps[:, None]] = 0.0
+        base_tokens = float(num_seqs)
+        best_rate = base_tokens / max(self.target_cost(num_tokens), 1e-9)
+        best: tuple[int, float] = (0, math.inf)  # (rounds, smallest gain taken)
+        per_draft = self.target_cost.b + (self.draft_cost.b if self.drafter else 0.0)
+        for rounds in range(1, self.max_k + 1) if self.drafter else (self.max_k,):
+            g = np.sort(gains[:, :rounds].ravel())[::-1]
+            g = g[g > 0]
+            if not len(g):
+                break
+            fixed = self.target_cost(num_tokens)
+            if self.drafter:
+                fixed += rounds * self.draft_cost.a
+            m = np.arange(1, len(g) + 1)
+            rate = (base_tokens + np.cumsum(g)) / np.maximum(fixed + m * per_draft, 1e-9)
+            i = int(rate.argmax())
+            if rate[i] > best_rate:
+                best_rate, best = float(rate[i]), (rounds, float(g[i]))
+        rounds, threshold = best
+        if rounds == 0:
+            return {}
+        ks = (gains[:, :rounds] >= threshold).sum(axis=1)
+        return {s: int(k) for s, k in zip(seq_ids, ks) if k > 0}
