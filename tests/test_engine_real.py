@@ -28,16 +28,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    # float32: batching, chunking and draft verification change GEMM shapes, which must not
-    # change a single greedy token there (bfloat16 is tested within its precision below)
-    return LLM("smollm2-135m-instruct", num_blocks=512, block_size=16, dtype="float32")
+def llm(fp32_llm):
+    return fp32_llm
 
 
 @pytest.fixture(scope="module")
-def alone(llm):
-    """Greedy output of each prompt run by itself."""
-    return [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
+def alone(fp32_alone):
+    return fp32_alone
 
 
 def assert_all_blocks_free(engine):

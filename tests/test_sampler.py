@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.stats_support import chi_square_p_value
 from tokenmill.params import SamplingParams
 from tokenmill.runner import logits_processors as processors_module
 from tokenmill.runner.logits_processors import LogitBias, LogitsProcessor, Temperature
@@ -584,18 +585,6 @@ def test_position_seeds_are_spread() -> None:
 
 
 # --- speculative verification: the rejection rule ----------------------------------------
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test of observed ``counts`` against ``probs`` (cells expecting < 5 pooled)."""
-    expected = probs.double() * counts.sum()
-    small = expected < 5
-    obs = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = torch.tensor(len(exp) - 1.0, dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))  # the chi-square survival function
-
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=20),
                                     SamplingParams(seed=5)])

@@ -296,6 +296,9 @@ class LLMEngine:
                                   seconds)
         updates = self.scheduler.update_from_output(out, result.token_ids)
         outputs = self._process(updates, result.logprobs)
+        ended = self.scheduler.take_finished_ids()  # not left waiting for the next step
+        if ended and hasattr(self.proposer, "forget"):
+            self.proposer.forget(ended)
         new_tokens = sum(len(u.new_token_ids) for u in updates)
         self.last_step = StepInfo(out.num_batched_tokens, new_tokens,
                                   self.scheduler.num_preemptions - preempted,

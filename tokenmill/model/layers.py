@@ -30,8 +30,10 @@ def empty_param(*shape: int) -> nn.Parameter:
 
 
 # Rows of input up to which the CPU kernels' bf16 linear beats oneDNN's on AVX512-BF16
-# (1.2-1.9x at 1-4 rows, slower from 8; benchmarks/linear_kernels.py)
-SMALL_M_ROWS = 4
+# (1.2-1.9x at 1-4 rows alone, benchmarks/linear_kernels.py; in the whole default model's
+# forward it is still 1.1-1.35x faster at 5-8 rows, the sizes a speculative verification of
+# 4-7 drafts runs at; about even at 9, oneDNN ahead from 16 -- AMD EPYC Zen 4, 2 cores)
+SMALL_M_ROWS = 8
 
 
 class Linear(nn.Module):

@@ -351,9 +351,14 @@ class Scheduler:
 
     def _build_output(self, batch: _StepBatch) -> SchedulerOutput:
         chunks = [self._chunk(planned) for planned in batch.chunks.values()]
-        finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(chunks, batch.token_budget - batch.tokens_left,
-                               batch.preempted_ids, finished)
+                               batch.preempted_ids, self.take_finished_ids())
+
+    def take_finished_ids(self) -> list[str]:
+        """The sequences finished or aborted since the last call (``schedule`` calls it too):
+        per-sequence state elsewhere (a drafter's cache) can be dropped now."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
 
     def _chunk(self, planned: _Planned) -> ScheduledChunk:
         request, start, num_tokens, drafts = planned

@@ -71,7 +71,9 @@ def build_decoder(spec: SpeculativeConfig, draft: DraftModel | None, num_blocks:
     if spec.speculative_method == "ngram":
         method = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
-        method = ModelDrafter(draft.module, draft.config, num_blocks, block_size, device)
+        # the drafter catches up on as many tokens per step as the target may compute
+        method = ModelDrafter(draft.module, draft.config, num_blocks, block_size, device,
+                              max_catch_up=max_num_batched_tokens)
     return SpeculativeDecoder(method, spec.num_speculative_tokens, spec.speculative_method,
                               spec.speculative_adaptive, max_num_batched_tokens)
 

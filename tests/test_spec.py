@@ -1,0 +1,368 @@
+"""Speculative decoding: the proposers, the adaptive policy, and the engine with each method on the
+real default model (greedy output identical, KV accounting) and on tiny random models (the
+sampled distribution is the target's, with a deliberately bad draft)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.stats_support import chi_square_p_value
+from tests.test_engine_real import GREEDY, PROMPTS, assert_all_blocks_free
+from tokenmill import LLM, SamplingParams, StructuredOutputs
+from tokenmill.request import Request
+from tokenmill.spec import AdaptivePolicy, NgramProposer
+from tokenmill.spec.policy import AcceptanceTracker, LinearCost
+
+# ----- n-gram lookup ----------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_longest_matching_suffix() -> None:
+    p = NgramProposer(min_n=2, max_n=4)
+    #         0  1  2  3  4  5  6  7  8
+    tokens = [1, 2, 3, 4, 9, 7, 2, 3, 4]
+    # suffix (2, 3, 4) ended at 4 earlier: what followed is 9, 7, 2
+    assert p.lookup("a", tokens, 3) == [9, 7, 2]
+    assert p.lookup("b", tokens, 10) == [9, 7, 2, 3, 4]  # never past the known tokens
+    assert p.lookup("c", [5, 6, 7, 8], 3) == []  # nothing repeats
+    assert p.lookup("d", [5, 6, 1, 5, 6], 2) == [1, 5]
+    assert NgramProposer(min_n=3, max_n=4).lookup("e", [5, 6, 1, 5, 6], 2) == []  # too short
+
+
+def test_ngram_prefers_the_longest_then_the_latest_match() -> None:
+    p = NgramProposer(min_n=1, max_n=3)
+    # (8,) occurs at 0 and 3; (1, 8) only at 2-3: the longer match wins
+    assert p.lookup("a", [8, 5, 1, 8, 6, 1, 8], 1) == [6]
+    # (8,) alone occurs twice: the latest occurrence proposes
+    assert p.lookup("b", [8, 5, 8, 6, 8], 1) == [6]
+
+
+def test_ngram_index_grows_with_the_sequence_like_a_fresh_one() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 6, (300,), generator=gen).tolist()
+    grown = NgramProposer(min_n=2, max_n=5)
+    for end in range(1, len(tokens) + 1, 7):
+        fresh = NgramProposer(min_n=2, max_n=5)
+        assert grown.lookup("s", tokens[:end], 4) == fresh.lookup("s", tokens[:end], 4)
+
+
+def test_ngram_propose_reads_requests() -> None:
+    r = Request("r", [1, 2, 3, 1, 2], SamplingParams())
+    r.output_token_ids = [3, 1]
+    p = NgramProposer(min_n=1, max_n=3)
+    assert p.propose([r], {"r": 2}) == {"r": [2, 3]}  # suffix (3, 1) ended at 4
+    assert p.propose([r], {"r": 0}) == {}
+    p.forget(["r"])
+    assert not p._indexes
+
+
+# ----- the adaptive policy ----------------------------------------------------------------------
+
+
+def fitted_policy(per_token: float, fixed: float, drafter: bool = False,
+                  draft_per_token: float = 0.0, draft_fixed: float = 0.0) -> AdaptivePolicy:
+    policy = AdaptivePolicy(max_k=5, drafter=drafter)
+    for tokens in (1, 4, 16, 64, 2, 32):
+        policy.target_cost.add(tokens, fixed + per_token * tokens)
+        policy.draft_cost.add(tokens, draft_fixed + draft_per_token * tokens)
+    return policy
+
+
+def accepting(policy: AdaptivePolicy, seq_ids, rate: float) -> None:
+    for s in seq_ids:
+        for _ in range(20):
+            accepted = 5 if rate >= 1 else int(rate * 5)
+            policy.acceptance.record(s, 5, accepted)
+
+
+def test_linear_cost_fits_a_line() -> None:
+    cost = LinearCost()
+    for tokens in (1, 8, 3, 40, 12):
+        cost.add(tokens, 0.02 + 0.001 * tokens)
+    assert cost.a == pytest.approx(0.02, rel=1e-6) and cost.b == pytest.approx(0.001, rel=1e-6)
+    assert cost(100) == pytest.approx(0.12)
+
+
+def test_acceptance_counts_geometric_tries_and_drifts_back() -> None:
+    t = AcceptanceTracker()
+    t.record("a", 4, 4)  # 4 of 4: four successes, no failure seen
+    t.record("b", 4, 0)  # rejected at once: one failed try
+    assert t.rate("a") > t.overall > t.rate("b")
+    before = t.rate("b")
+    for _ in range(50):
+        t.step(["b"])  # steps without news: "b" returns to the average
+    assert abs(t.rate("b") - t.overall) < abs(before - t.overall) / 10
+
+
+def test_policy_drafts_deep_alone_when_extra_tokens_are_cheap() -> None:
+    policy = fitted_policy(per_token=0.001, fixed=0.03)
+    accepting(policy, ["a"], 0.8)
+    assert policy.choose(["a"], 1, 1) == {"a": 5}
+
+
+def test_policy_stops_drafting_when_acceptance_is_poor() -> None:
+    policy = fitted_policy(per_token=0.002, fixed=0.03)
+    accepting(policy, ["a"], 0.0)
+    assert policy.choose(["a"], 1, 1) == {}
+
+
+def test_policy_turns_off_in_a_large_batch_where_tokens_cost_compute() -> None:
+    # 64 sequences at 4 ms a token: a verified draft costs more than the 0.5 token it brings
+    policy = fitted_policy(per_token=0.004, fixed=0.03)
+    seqs = [f"s{i}" for i in range(64)]
+    accepting(policy, seqs, 0.5)
+    assert policy.choose(seqs, 64, 64) == {}
+    # the same acceptance alone, where the forward is weight-bound: worth it
+    assert policy.choose(seqs[:1], 1, 1)
+
+
+def test_policy_drafts_for_the_sequences_that_accept() -> None:
+    policy = fitted_policy(per_token=0.001, fixed=0.03)
+    accepting(policy, ["good"], 1.0)
+    accepting(policy, ["bad"], 0.0)
+    ks = policy.choose(["good", "bad"], 2, 2)
+    assert ks.get("good", 0) >= 3 and "bad" not in ks
+
+
+def test_policy_pays_for_a_drafter_s_rounds() -> None:
+    # a draft model as slow as the target: never worth it, however good its drafts
+    slow = fitted_policy(per_token=0.001, fixed=0.03, drafter=True, draft_fixed=0.03,
+                         draft_per_token=0.001)
+    accepting(slow, ["a"], 0.9)
+    assert slow.choose(["a"], 1, 1) == {}
+    cheap = fitted_policy(per_token=0.001, fixed=0.03, drafter=True, draft_fixed=0.002,
+                          draft_per_token=0.0001)
+    accepting(cheap, ["a"], 0.9)
+    assert cheap.choose(["a"], 1, 1) == {"a": 5}
+
+
+def test_policy_limits_and_the_non_adaptive_mode() -> None:
+    policy = AdaptivePolicy(max_k=4, drafter=False, adaptive=False)
+    assert policy.choose(["a", "b"], 2, 2, {"a": 2, "b": 9}) == {"a": 2, "b": 4}
+
+
+# ----- the engine with the real model -------------------------------------------------------------
+
+METHODS = {
+    # adaptive off: every step drafts its full k, so verification and rollback run all the time
+    "ngram": dict(speculative_method="ngram", prompt_lookup_min=1, speculative_adaptive=False),
+    "draft": dict(speculative_method="draft", speculative_model="smollm2-135m-instruct",
+                  num_speculative_tokens=3, speculative_adaptive=False),
+    # two of 30 layers: a poor draft, so most drafts are rejected and rolled back
+    "layerskip": dict(speculative_method="layerskip", speculative_draft_layers=2,
+                      speculative_adaptive=False),
+}
+
+
+@pytest.fixture(scope="module")
+def plain(fp32_llm):
+    return fp32_llm  # the engine tests' float32 engine, without speculation
+
+
+@pytest.fixture(scope="module")
+def alone(fp32_alone):
+    return fp32_alone
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def spec_llm(request):
+    return LLM("smollm2-135m-instruct", num_blocks=512, dtype="float32",
+               **METHODS[request.param])
+
+
+def assert_drafter_empty(llm) -> None:
+    drafter = getattr(llm.engine.proposer.method, "free_blocks", None)
+    if drafter is not None:
+        assert sorted(drafter) == list(range(1, len(drafter) + 1))  # every block back
+
+
+def test_greedy_identical_batched_and_alone(spec_llm, alone):
+    before = spec_llm.engine.stats().spec
+    batched = spec_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batched] == [a.token_ids for a in alone]
+    assert [o.outputs[0].text for o in batched] == [a.text for a in alone]
+    for prompt, expected in list(zip(PROMPTS, alone))[::4]:
+        out = spec_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == expected.token_ids
+    stats = spec_llm.engine.stats().spec
+    assert stats.num_draft_tokens > before.num_draft_tokens + 100  # it really speculated
+    assert stats.num_accepted_tokens > before.num_accepted_tokens
+    assert stats.num_accepted_tokens < stats.num_draft_tokens or spec_llm.engine.proposer.name \
+        == "draft"  # the draft model is the target itself: everything is accepted
+    assert_all_blocks_free(spec_llm.engine)
+    assert_drafter_empty(spec_llm)
+
+
+def test_prefix_cache_serves_only_accepted_kv(spec_llm, alone, plain):
+    """After speculation with rejections, the cached blocks of prompt + output give the same
+    next token and logprob as a fresh computation."""
+    spec_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    tok = spec_llm.tokenizer
+    # every prompt + 19 of its tokens: its cached blocks were written during speculation
+    extended = [tok.encode(p) + a.token_ids[:19] for p, a in zip(PROMPTS, alone)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
+    proposer, spec_llm.engine.proposer = spec_llm.engine.proposer, None
+    try:
+        hits_before = spec_llm.engine.stats().prefix_cache_hits
+        cached = spec_llm.generate(extended, one, use_tqdm=False)
+        assert spec_llm.engine.stats().prefix_cache_hits - hits_before >= 16 * 16
+    finally:
+        spec_llm.engine.proposer = proposer
+    fresh = plain.generate(extended, one, use_tqdm=False)
+    for c, f, a in zip(cached, fresh, alone):
+        assert c.outputs[0].token_ids == [a.token_ids[19]]
+        assert c.outputs[0].logprobs[0].logprob == pytest.approx(
+            f.outputs[0].logprobs[0].logprob, abs=1e-4)
+    assert_all_blocks_free(spec_llm.engine)
+
+
+def test_stops_max_tokens_logprobs_and_n_inside_accepted_runs(spec_llm, alone):
+    # a stop string in the middle of each output: the text ends right before it
+    stops = [a.text[len(a.text) // 2:len(a.text) // 2 + 3] for a in alone]
+    params = [replace(GREEDY, stop=[s], logprobs=2) for s in stops]
+    outs = spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    for out, a, stop in zip(outs, alone, stops):
+        o = out.outputs[0]
+        assert o.text == a.text[:a.text.index(stop)]
+        assert o.finish_reason == "stop" and o.stop_reason == stop
+        assert len(o.logprobs) == len(o.token_ids)
+        assert o.token_ids == a.token_ids[:len(o.token_ids)]
+    # max_tokens exactly, and n > 1 (greedy: every sequence the same)
+    outs = spec_llm.generate(PROMPTS[:4], replace(GREEDY, max_tokens=7, n=3), use_tqdm=False)
+    for out, a in zip(outs, alone):
+        assert [o.token_ids for o in out.outputs] == [a.token_ids[:7]] * 3
+    assert_all_blocks_free(spec_llm.engine)
+    assert_drafter_empty(spec_llm)
+
+
+def test_preemption_under_speculation_keeps_outputs_exact(alone):
+    llm = LLM("smollm2-135m-instruct", num_blocks=13, block_size=16, dtype="float32",
+              **METHODS["ngram"])
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [a.token_ids for a in alone]
+    assert llm.engine.num_preemptions > 0
+    assert llm.engine.stats().spec.num_draft_tokens > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_seeded_sampling_reproduces_and_ngram_changes_nothing(plain, spec_llm):
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=123,
+                            ignore_eos=True)
+    prompts = PROMPTS[:3]
+    first = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params,
+                                                                use_tqdm=False)]
+    again = [spec_llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts]
+    assert first == again
+    if spec_llm.engine.proposer.name == "ngram":
+        # drafts without a distribution: the same tokens as decoding without speculation
+        plain_out = plain.generate(prompts, params, use_tqdm=False)
+        assert first == [o.outputs[0].token_ids for o in plain_out]
+
+
+def test_structured_output_with_speculation(plain):
+    llm = LLM("smollm2-135m-instruct", num_blocks=256, dtype="float32", **METHODS["ngram"])
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "tags": {"type": "array",
+                                                        "items": {"type": "string"}}},
+              "required": ["name", "tags"]}
+    params = SamplingParams(temperature=0.0, max_tokens=60,
+                            structured_outputs=StructuredOutputs(json=schema))
+    prompts = ["Describe a cat as JSON with a name and tags:",
+               "Give a JSON record for the city of Paris, tags tags tags:"]
+    expected = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    for g in got:
+        if g.finish_reason == "stop":
+            assert set(json.loads(g.text)) == {"name", "tags"}
+    assert_all_blocks_free(llm.engine)
+
+
+# ----- the distribution, with a deliberately bad draft --------------------------------------------
+
+
+def write_word_tokenizer(directory, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (directory / "tokenizer.json").write_text(tok.to_str())
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from tests.tiny_models import COMMON, make_hf_model, save_hf_model
+
+    paths = []
+    for name, seed in (("target", 0), ("draft", 1)):
+        # qwen3's head size (32) is one the compiled CPU attention takes: 20k samples run fast
+        model = make_hf_model("qwen3", seed=seed)
+        directory = save_hf_model(model, tmp_path_factory.mktemp(name))
+        write_word_tokenizer(directory, COMMON["vocab_size"])
+        paths.append(str(directory))
+    return paths
+
+
+def exact_next_distributions(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, ...]:
+    """The target's distributions of generated tokens 1, 2 and 3 (2 and 3 marginally, summed
+    over every path), computed by batched forwards on an idle engine."""
+    from tokenmill.runner.batch import Chunk
+
+    runner = llm.engine.runner
+
+    def next_probs(histories: list[list[int]]) -> torch.Tensor:
+        chunks = [Chunk(h, 0, [1 + i]) for i, h in enumerate(histories)]  # one block each
+        return runner.forward(chunks).double().softmax(-1)
+
+    p1 = next_probs([prompt])[0]
+    vocab = len(p1)
+    after1 = next_probs([[*prompt, x] for x in range(vocab)])  # (x1, x2)
+    p2 = p1 @ after1
+    p3 = torch.zeros(vocab, dtype=torch.float64)
+    for x1 in range(vocab):
+        after2 = next_probs([[*prompt, x1, x2] for x2 in range(vocab)])  # (x2, x3)
+        p3 += p1[x1] * (after1[x1] @ after2)
+    return p1, p2, p3
+
+
+def test_sampled_tokens_follow_the_target_with_a_bad_draft(tiny_pair):
+    """20,000 samples of a tiny random target drafted by an unrelated random model: the first
+    token (sampled at prefill) and the next two (verified drafts by the rejection rule) are
+    distributed as the target's, by a chi-square test against the exact distributions."""
+    target, draft = tiny_pair
+    llm = LLM(target, num_blocks=2048, dtype="float32", max_num_seqs=256, speculative_method="draft", speculative_model=draft,
+              num_speculative_tokens=3, speculative_adaptive=False)
+    prompt = [5, 17, 3, 60, 41, 8, 90, 12]
+    p1, p2, p3 = exact_next_distributions(llm, prompt)
+    n = 20000
+    # max_tokens 4: after the first token, 2 drafts verified (+ the target's own token)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    tokens = torch.tensor([o.outputs[0].token_ids for o in outs])
+    stats = llm.engine.stats().spec
+    assert stats.num_draft_tokens > n  # nearly every sequence verified drafts
+    assert 0.05 < stats.acceptance_rate < 0.9  # a bad draft: many rejections, some hits
+    vocab = len(p1)
+    for column, expected in ((0, p1), (1, p2), (2, p3)):
+        counts = torch.bincount(tokens[:, column], minlength=vocab)
+        assert chi_square_p_value(counts, expected) > 1e-3, column
+    assert_all_blocks_free(llm.engine)
+    assert_drafter_empty(llm)
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_pair, tmp_path):
+    import shutil
+
+    from tests.tiny_models import COMMON
+
+    target, draft = tiny_pair
+    other = tmp_path / "other"
+    shutil.copytree(draft, other)
+    write_word_tokenizer(other, COMMON["vocab_size"] - 1)  # a different vocabulary
+    with pytest.raises(ValueError, match="same vocabulary"):
+        LLM(target, num_blocks=64, dtype="float32", speculative_method="draft",
+            speculative_model=str(other))
