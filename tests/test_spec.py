@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ from tests.test_engine_real import GREEDY, PROMPTS, assert_all_blocks_free
 from tokenmill import LLM, SamplingParams, StructuredOutputs
 from tokenmill.request import Request
 from tokenmill.spec import AdaptivePolicy, NgramProposer
-from tokenmill.spec.policy import AcceptanceTracker, LinearCost
+from tokenmill.spec.policy import AcceptanceTracker, LinearCost, StepCost
 
 # ----- n-gram lookup ----------------------------------------------------------------------------
 
@@ -84,6 +85,26 @@ def test_linear_cost_fits_a_line() -> None:
         cost.add(tokens, 0.02 + 0.001 * tokens)
     assert cost.a == pytest.approx(0.02, rel=1e-6) and cost.b == pytest.approx(0.001, rel=1e-6)
     assert cost(100) == pytest.approx(0.12)
+
+
+def test_step_cost_follows_measured_counts_and_extends_by_the_line() -> None:
+    cost = StepCost()
+    # a CPU-like shape: 1 token 27 ms, 5 tokens 45 ms, then 1 ms per token
+    for tokens, ms in ((1, 27), (5, 45), (9, 49), (65, 105)):
+        for _ in range(3):
+            cost.add(tokens, ms / 1000)
+    assert cost(1) == pytest.approx(0.027) and cost(5) == pytest.approx(0.045)
+    assert cost(3) == pytest.approx(0.036)  # between measured counts: a straight line
+    assert cost(np.array([7, 9])).tolist() == pytest.approx([0.047, 0.049])
+    assert cost(165) > cost(65)  # past the table: the fitted slope
+
+
+def test_policy_probes_caps_it_would_not_pick() -> None:
+    policy = fitted_policy(per_token=0.004, fixed=0.03)
+    seqs = [f"s{i}" for i in range(64)]
+    accepting(policy, seqs, 0.3)
+    caps = {max(policy.choose(seqs, 64, 64).values(), default=0) for _ in range(6 * 32)}
+    assert caps == {0, 1, 2, 3, 4, 5}  # off almost always, each cap now and then
 
 
 def test_acceptance_counts_geometric_tries_and_drifts_back() -> None:
@@ -184,7 +205,7 @@ def test_greedy_identical_batched_and_alone(spec_llm, alone):
     batched = spec_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in batched] == [a.token_ids for a in alone]
     assert [o.outputs[0].text for o in batched] == [a.text for a in alone]
-    for prompt, expected in list(zip(PROMPTS, alone))[::4]:
+    for prompt, expected in zip(PROMPTS, alone):
         out = spec_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
         assert out.token_ids == expected.token_ids
     stats = spec_llm.engine.stats().spec
@@ -352,6 +373,47 @@ def test_sampled_tokens_follow_the_target_with_a_bad_draft(tiny_pair):
         assert chi_square_p_value(counts, expected) > 1e-3, column
     assert_all_blocks_free(llm.engine)
     assert_drafter_empty(llm)
+
+
+def test_drafter_rolls_its_cache_back_to_what_was_accepted(tiny_pair):
+    """Drafts after a partial acceptance equal a fresh drafter's: no rejected draft's KV is read."""
+    from tokenmill.model.loader import load_model
+    from tokenmill.spec import ModelDrafter
+
+    target, _ = tiny_pair
+    loaded = load_model(target, "cpu", "float32")
+
+    def drafter() -> ModelDrafter:
+        return ModelDrafter(loaded.model, loaded.config, num_blocks=16, block_size=4,
+                            device="cpu")
+
+    request = Request("r", [5, 17, 3, 60, 41, 8, 90], SamplingParams(temperature=0.0))
+    reused = drafter()
+    first = reused.propose([request], {"r": 4}).token_ids["r"]
+    assert len(first) == 4
+    # the target kept the first draft, then chose another token than the second
+    request.output_token_ids = [first[0], (first[1] + 1) % 96]
+    again = reused.propose([request], {"r": 4})
+    fresh = drafter().propose([request], {"r": 4})
+    assert again.token_ids == fresh.token_ids and again.probs == {"r": [None] * 4}
+    # everything accepted and one more token: the cache keeps all of it
+    request.output_token_ids += [*again.token_ids["r"], 7]
+    assert reused.propose([request], {"r": 2}).token_ids == \
+        drafter().propose([request], {"r": 2}).token_ids
+    reused.forget(["r"])
+    assert sorted(reused.free_blocks) == list(range(1, 16))
+
+
+def test_drafter_skips_what_its_cache_cannot_hold(tiny_pair):
+    from tokenmill.model.loader import load_model
+    from tokenmill.spec import ModelDrafter
+
+    loaded = load_model(tiny_pair[0], "cpu", "float32")
+    small = ModelDrafter(loaded.model, loaded.config, num_blocks=4, block_size=4, device="cpu")
+    long = Request("long", list(range(1, 30)), SamplingParams(temperature=0.0))
+    short = Request("short", [1, 2, 3], SamplingParams(temperature=0.0))
+    out = small.propose([long, short], {"long": 3, "short": 2})
+    assert "long" not in out.token_ids and len(out.token_ids["short"]) == 2
 
 
 def test_a_draft_model_must_share_the_vocabulary(tiny_pair, tmp_path):

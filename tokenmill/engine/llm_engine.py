@@ -71,6 +71,7 @@ class EngineInfo:
     dtype_reason: str = ""
     attention_backend: str = "torch"
     hardware: dict = field(default_factory=dict)  # the CPU and its instruction sets
+    speculative: dict = field(default_factory=dict)  # method and k; empty when off
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class LLMEngine:
         from tokenmill.platform import choose_dtype, configure_threads, cpu_description
         from tokenmill.runner.kv_cache import bytes_per_block, num_kv_blocks
         from tokenmill.runner.model_runner import ModelRunner
-        from tokenmill.spec import build_decoder, load_draft_model
+        from tokenmill.spec import build_decoder, load_draft_model, spec_description
         from tokenmill.structured.backend import GrammarBackend
         from tokenmill.structured.manager import StructuredOutputManager
         from tokenmill.tokenizer import load_tokenizer
@@ -179,13 +180,12 @@ class LLMEngine:
                           (num_blocks - 1) * cache.block_size,  # block 0 is padding
                           config.scheduler.max_num_seqs, cache.block_size, dtype,
                           dtype_reason, backend,
-                          cpu_description() if config.device.startswith("cpu") else {})
+                          cpu_description() if config.device.startswith("cpu") else {},
+                          spec_description(config.speculative, draft) if proposer else {})
         logger.info("compute dtype %s (%s); attention backend %s; %s", dtype, dtype_reason,
                     backend, info.hardware or config.device)
         if proposer is not None:
-            logger.info("speculative decoding: %s, up to %d tokens per step%s",
-                        proposer.name, config.speculative.num_speculative_tokens,
-                        ", adaptive" if config.speculative.speculative_adaptive else "")
+            logger.info("speculative decoding: %s", info.speculative)
         grammars = GrammarBackend(tokenizer.backend.to_str(), model.vocab_size,
                                   sorted(scheduler.eos_token_ids))
         return cls(scheduler, runner, tokenizer, info, proposer=proposer,

@@ -78,5 +78,20 @@ def build_decoder(spec: SpeculativeConfig, draft: DraftModel | None, num_blocks:
                               spec.speculative_adaptive, max_num_batched_tokens)
 
 
+def spec_description(spec: SpeculativeConfig, draft: DraftModel | None) -> dict:
+    """The settings that matter for ``spec``'s method (for the log and ``/server_info``)."""
+    out = {"method": spec.speculative_method, "num_speculative_tokens":
+           spec.num_speculative_tokens, "adaptive": spec.speculative_adaptive}
+    if spec.speculative_method == "ngram":
+        out.update(prompt_lookup_min=spec.prompt_lookup_min,
+                   prompt_lookup_max=spec.prompt_lookup_max)
+    elif spec.speculative_method == "draft":
+        out["model"] = spec.speculative_model
+    elif draft is not None:
+        out["draft_layers"] = draft.config.num_layers
+    return out
+
+
 __all__ = ["AdaptivePolicy", "DraftModel", "EarlyExit", "ModelDrafter", "NgramProposer",
-           "SpecStats", "SpeculativeDecoder", "build_decoder", "load_draft_model"]
+           "SpecStats", "SpeculativeDecoder", "build_decoder", "load_draft_model",
+           "spec_description"]

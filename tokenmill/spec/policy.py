@@ -11,9 +11,15 @@ of the whole step:
 where B sequences make one token each anyway and T0 is the step's tokens without drafts. Gains
 a_r^j shrink with j, so the best set for a given number of drafts takes the largest gains; the
 policy tries every number (and, for a drafter, every number of rounds) and keeps the best, which
-is none at all when a large batch makes extra tokens expensive or acceptance is poor. Step costs
-are straight lines fitted to measured steps (recent ones weigh more); acceptance is counted
-per sequence, starting from the running average of all sequences.
+is none at all when a large batch makes extra tokens expensive or acceptance is poor.
+
+The target's step time is measured per token count (``StepCost``: a running average for every
+count seen, straight lines between them), because its shape is not a line: on a CPU a forward of
+2-8 tokens can cost far more than one token more each (the 1-row matmul is memory-bound, a few
+rows are not) and then flatten. One step in ``probe_every`` drafts a cycling cap instead of the
+best choice, so the counts the policy does not pick keep being measured. A drafter's rounds are
+a line fitted to its forwards. Acceptance is counted per sequence, starting from the running
+average of all sequences.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ class LinearCost:
             b = (sxy / w - sx * sy / w / w) / var
             self.b = max(b, 0.0)
             self.a = max(sy / w - self.b * sx / w, 0.0)
-        elif self.b == 0.0 and self.a == 0.0:
+        elif self.b == 0.0:  # no spread yet: the mean
             self.a = sy / w
 
     def __call__(self, tokens: float) -> float:
@@ -52,6 +58,41 @@ class LinearCost:
     @property
     def fitted(self) -> bool:
         return self.b > 0.0
+
+
+class StepCost:
+    """Seconds of a step by its token count: a running average (weight ``alpha`` for the newest)
+    per count measured, straight lines between measured counts, and beyond them the slope of
+    a line fitted to all steps."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.line = LinearCost()
+        self._avg: dict[int, float] = {}
+        self._table: tuple[np.ndarray, np.ndarray] | None = None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.line.add(tokens, seconds)
+        old = self._avg.get(tokens)
+        self._avg[tokens] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._table = None
+
+    @property
+    def fitted(self) -> bool:
+        return len(self._avg) >= 2
+
+    def __call__(self, tokens):
+        """Seconds for ``tokens`` (a number or an array of them)."""
+        if self._table is None:
+            xs = np.array(sorted(self._avg), dtype=np.float64)
+            self._table = xs, np.array([self._avg[int(x)] for x in xs])
+        xs, ys = self._table
+        t = np.asarray(tokens, dtype=np.float64)
+        b = self.line.b
+        out = np.interp(t, xs, ys)
+        out = np.where(t > xs[-1], ys[-1] + b * (t - xs[-1]), out)
+        out = np.where(t < xs[0], np.maximum(ys[0] - b * (xs[0] - t), 0.0), out)
+        return float(out) if out.ndim == 0 else out
 
 
 class AcceptanceTracker:
@@ -107,13 +148,16 @@ class AcceptanceTracker:
 class AdaptivePolicy:
     """Chooses k per sequence (0 to ``max_k``) for one step; see the module docstring."""
 
-    def __init__(self, max_k: int, drafter: bool, adaptive: bool = True) -> None:
+    def __init__(self, max_k: int, drafter: bool, adaptive: bool = True,
+                 probe_every: int = 32) -> None:
         self.max_k = max_k
         self.drafter = drafter  # a model drafts: rounds cost time of their own
         self.adaptive = adaptive
+        self.probe_every = probe_every
         self.acceptance = AcceptanceTracker()
-        self.target_cost = LinearCost()
+        self.target_cost = StepCost()
         self.draft_cost = LinearCost()
+        self._steps = 0
 
     def choose(self, seq_ids: Sequence[str], num_tokens: int, num_seqs: int,
                limits: Mapping[str, int] | None = None) -> dict[str, int]:
@@ -121,12 +165,16 @@ class AdaptivePolicy:
         sequences and ``num_tokens`` tokens without drafts; ``limits`` caps a sequence's k
         (e.g. the drafts there are)."""
         caps = np.array([min(self.max_k, limits.get(s, self.max_k)) if limits else self.max_k
-                         for s in seq_ids])
+                         for s in seq_ids], dtype=np.int64)
         self.acceptance.step(seq_ids)
+        self._steps += 1
         if not self.adaptive or not len(seq_ids):
             return {s: int(c) for s, c in zip(seq_ids, caps) if c > 0}
-        if not self.target_cost.fitted:  # no measured slope yet: draft, and measure
+        if not self.target_cost.fitted:  # nothing to compare yet: draft, and measure
             return {s: int(c) for s, c in zip(seq_ids, caps) if c > 0}
+        if self._steps % self.probe_every == 0:  # measure a cap the policy may never pick
+            cap = (self._steps // self.probe_every) % (self.max_k + 1)
+            return {s: int(min(c, cap)) for s, c in zip(seq_ids, caps) if min(c, cap) > 0}
         rates = np.array([self.acceptance.rate(s) for s in seq_ids])
         j = np.arange(1, self.max_k + 1)
         gains = rates[:, None] ** j[None, :]  # (B, max_k): expected tokens of draft j
@@ -134,17 +182,16 @@ class AdaptivePolicy:
         base_tokens = float(num_seqs)
         best_rate = base_tokens / max(self.target_cost(num_tokens), 1e-9)
         best: tuple[int, float] = (0, math.inf)  # (rounds, smallest gain taken)
-        per_draft = self.target_cost.b + (self.draft_cost.b if self.drafter else 0.0)
         for rounds in range(1, self.max_k + 1) if self.drafter else (self.max_k,):
             g = np.sort(gains[:, :rounds].ravel())[::-1]
             g = g[g > 0]
             if not len(g):
                 break
-            fixed = self.target_cost(num_tokens)
-            if self.drafter:
-                fixed += rounds * self.draft_cost.a
             m = np.arange(1, len(g) + 1)
-            rate = (base_tokens + np.cumsum(g)) / np.maximum(fixed + m * per_draft, 1e-9)
+            cost = self.target_cost(num_tokens + m)
+            if self.drafter:
+                cost = cost + rounds * self.draft_cost.a + m * self.draft_cost.b
+            rate = (base_tokens + np.cumsum(g)) / np.maximum(cost, 1e-9)
             i = int(rate.argmax())
             if rate[i] > best_rate:
                 best_rate, best = float(rate[i]), (rounds, float(g[i]))
