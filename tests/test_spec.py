@@ -65,7 +65,7 @@ def test_ngram_propose_reads_requests() -> None:
 
 def fitted_policy(per_token: float, fixed: float, drafter: bool = False,
                   draft_per_token: float = 0.0, draft_fixed: float = 0.0) -> AdaptivePolicy:
-    policy = AdaptivePolicy(max_k=5, drafter=drafter)
+    policy = AdaptivePolicy(max_k=5, drafter=drafter, probe_every=32)
     for tokens in (1, 4, 16, 64, 2, 32):
         policy.target_cost.add(tokens, fixed + per_token * tokens)
         policy.draft_cost.add(tokens, draft_fixed + draft_per_token * tokens)
@@ -73,9 +73,15 @@ def fitted_policy(per_token: float, fixed: float, drafter: bool = False,
 
 
 def accepting(policy: AdaptivePolicy, seq_ids, rate: float) -> None:
+    """Verifications of 5 drafts, each accepted with probability ``rate`` after the last."""
+    import random
+
+    rng = random.Random(0)
     for s in seq_ids:
-        for _ in range(20):
-            accepted = 5 if rate >= 1 else int(rate * 5)
+        for _ in range(40):
+            accepted = 0
+            while accepted < 5 and rng.random() < rate:
+                accepted += 1
             policy.acceptance.record(s, 5, accepted)
 
 
@@ -107,11 +113,16 @@ def test_policy_probes_caps_it_would_not_pick() -> None:
     assert caps == {0, 1, 2, 3, 4, 5}  # off almost always, each cap now and then
 
 
-def test_acceptance_counts_geometric_tries_and_drifts_back() -> None:
-    t = AcceptanceTracker()
-    t.record("a", 4, 4)  # 4 of 4: four successes, no failure seen
-    t.record("b", 4, 0)  # rejected at once: one failed try
+def test_acceptance_per_sequence_first_and_per_position_after() -> None:
+    t = AcceptanceTracker(max_k=4)
+    for _ in range(30):
+        t.record("a", 4, 4)  # always all four
+        t.record("b", 4, 0)  # never the first
     assert t.rate("a") > t.overall > t.rate("b")
+    gains = t.gains(["a", "b"])
+    # later positions were tried only after accepted ones, and always accepted then
+    assert gains[0].tolist() == pytest.approx([t.rate("a")] * 4, rel=0.1)
+    assert (np.diff(gains, axis=1) <= 0).all()
     before = t.rate("b")
     for _ in range(50):
         t.step(["b"])  # steps without news: "b" returns to the average

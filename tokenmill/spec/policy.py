@@ -1,15 +1,15 @@
 """How many tokens to draft, per sequence and step: from the measured acceptance of each
 sequence and the measured cost of a step, so speculation runs only where it pays.
 
-A sequence whose drafts are accepted with probability a (each given the ones before it) gains
-a + a^2 + ... + a^k tokens from k drafts. Every draft adds a token to the target's forward (and,
+A sequence gains g_1 + ... + g_k tokens from k drafts, g_j the chance that its first j drafts
+are all accepted (``AcceptanceTracker.gains``). Every draft adds a token to the target's forward (and,
 for a model drafter, to its rounds). The policy picks the drafts that maximise tokens per second
 of the whole step:
 
     rate(drafts) = (B + sum of the chosen gains) / (t_target(T0 + #drafts) + t_draft(rounds, #drafts))
 
 where B sequences make one token each anyway and T0 is the step's tokens without drafts. Gains
-a_r^j shrink with j, so the best set for a given number of drafts takes the largest gains; the
+shrink with j, so the best set for a given number of drafts takes the largest gains; the
 policy tries every number (and, for a drafter, every number of rounds) and keeps the best, which
 is none at all when a large batch makes extra tokens expensive or acceptance is poor.
 
@@ -96,31 +96,45 @@ class StepCost:
 
 
 class AcceptanceTracker:
-    """Per-sequence probability that a draft is accepted given the ones before it.
+    """How likely drafts are accepted: per sequence for its first draft, and over all sequences
+    for each later draft given the one before it was accepted.
 
-    One verification of n drafts of which m were accepted is m successes in m + (m < n) tries
-    (the geometric model's counts). Every step forgets a little (``step``): a sequence's own
-    counts fade within a few steps (one that moves from copying to free text is noticed, and
-    one that stopped drafting returns to the average and is tried again), and the average over
-    all sequences drifts back to its start (0.5) over a few hundred steps without news, so a
-    method switched off by a bad spell is tried again later. A sequence starts from the
-    average, counted as ``prior_weight`` tries.
+    Drafts of one run are not independent: an n-gram match that was right once tends to be
+    right for a while, so a draft after an accepted one is accepted more often than a first
+    draft. A sequence's expected gain from draft j is its first-draft rate times the conditional
+    rates of positions 2..j. One verification of n drafts of which m were accepted tries
+    positions 1..min(m + 1, n) and succeeds at 1..m.
+
+    Every step forgets a little (``step``): a sequence's own counts fade within a few steps (a
+    sequence that moves from copying to free text is noticed, and one that stopped drafting
+    returns to the average and is tried again), and the averages over all sequences drift back
+    to their start (0.5) over a few hundred steps without news, so a method switched off by a
+    bad spell is tried again later. A sequence starts from the average first-draft rate,
+    counted as ``prior_weight`` tries.
     """
 
-    def __init__(self, decay: float = 0.9, prior_weight: float = 2.0,
+    def __init__(self, max_k: int, decay: float = 0.9, prior_weight: float = 2.0,
                  global_decay: float = 0.995) -> None:
         self.decay, self.prior_weight, self.global_decay = decay, prior_weight, global_decay
-        self._seq: dict[str, list[float]] = {}  # seq_id -> [successes, tries]
-        self._all = [1.0, 2.0]  # start (and resting point): 0.5
+        self._seq: dict[str, list[float]] = {}  # seq_id -> first drafts [accepted, tried]
+        self._pos = np.tile([1.0, 2.0], (max_k, 1))  # per position: [accepted, tried]
 
     @property
     def overall(self) -> float:
-        return self._all[0] / self._all[1]
+        """The first-draft rate over all sequences."""
+        return float(self._pos[0, 0] / self._pos[0, 1])
 
     def rate(self, seq_id: str) -> float:
+        """The sequence's first-draft acceptance."""
         s, t = self._seq.get(seq_id, (0.0, 0.0))
         w = self.prior_weight
         return (s + w * self.overall) / (t + w)
+
+    def gains(self, seq_ids: Sequence[str]) -> np.ndarray:
+        """(len(seq_ids), max_k): expected accepted tokens from each draft position."""
+        first = np.array([self.rate(s) for s in seq_ids])
+        later = self._pos[1:, 0] / self._pos[1:, 1]
+        return first[:, None] * np.concatenate([[1.0], np.cumprod(later)])[None, :]
 
     def step(self, seq_ids: Iterable[str]) -> None:
         """A step went by for these sequences."""
@@ -130,15 +144,17 @@ class AcceptanceTracker:
                 counts[0] *= self.decay
                 counts[1] *= self.decay
         g = self.global_decay
-        self._all = [self._all[0] * g + (1 - g), self._all[1] * g + 2 * (1 - g)]
+        self._pos = self._pos * g + np.array([1.0, 2.0]) * (1 - g)
 
     def record(self, seq_id: str, num_drafts: int, num_accepted: int) -> None:
-        tries = num_accepted + (num_accepted < num_drafts)
+        if not num_drafts:
+            return
         counts = self._seq.setdefault(seq_id, [0.0, 0.0])
-        counts[0] += num_accepted
-        counts[1] += tries
-        self._all[0] += num_accepted
-        self._all[1] += tries
+        counts[0] += num_accepted > 0
+        counts[1] += 1
+        tried = min(num_accepted + 1, num_drafts, len(self._pos))
+        self._pos[:tried, 1] += 1
+        self._pos[:min(num_accepted, len(self._pos)), 0] += 1
 
     def forget(self, seq_ids: Iterable[str]) -> None:
         for seq_id in seq_ids:
@@ -149,12 +165,14 @@ class AdaptivePolicy:
     """Chooses k per sequence (0 to ``max_k``) for one step; see the module docstring."""
 
     def __init__(self, max_k: int, drafter: bool, adaptive: bool = True,
-                 probe_every: int = 32) -> None:
+                 probe_every: int | None = None) -> None:
         self.max_k = max_k
         self.drafter = drafter  # a model drafts: rounds cost time of their own
         self.adaptive = adaptive
-        self.probe_every = probe_every
-        self.acceptance = AcceptanceTracker()
+        # A drafter's probe costs its rounds and a catch-up on every token since it last
+        # drafted (a few forwards of the draft model): rarer than an n-gram's, which is free.
+        self.probe_every = probe_every or (256 if drafter else 32)
+        self.acceptance = AcceptanceTracker(max_k)
         self.target_cost = StepCost()
         self.draft_cost = LinearCost()
         self._steps = 0
@@ -175,9 +193,8 @@ class AdaptivePolicy:
         if self._steps % self.probe_every == 0:  # measure a cap the policy may never pick
             cap = (self._steps // self.probe_every) % (self.max_k + 1)
             return {s: int(min(c, cap)) for s, c in zip(seq_ids, caps) if min(c, cap) > 0}
-        rates = np.array([self.acceptance.rate(s) for s in seq_ids])
+        gains = self.acceptance.gains(seq_ids)  # (B, max_k): expected tokens of draft j
         j = np.arange(1, self.max_k + 1)
-        gains = rates[:, None] ** j[None, :]  # (B, max_k): expected tokens of draft j
         gains[j[None, :] > caps[:, None]] = 0.0
         base_tokens = float(num_seqs)
         best_rate = base_tokens / max(self.target_cost(num_tokens), 1e-9)
