@@ -2,8 +2,10 @@
 server.
 
     python3 benchmarks/speculative.py grounded [--methods off ngram draft layerskip] [--k 4]
-        [--max-tokens 256] [--rounds 3] [--dtype auto] [--out FILE]
-    python3 benchmarks/speculative.py serve [--concurrency 1 8 32] [--rounds 2] [--out FILE]
+        [--draft-layers L] [--fixed-k] [--tasks N] [--max-tokens 256] [--rounds 3]
+        [--dtype auto] [--out FILE]
+    python3 benchmarks/speculative.py serve [--concurrency 1 8 32] [--temperature 0]
+        [--fixed-k] [--rounds 2] [--out FILE]
 
 ``grounded``: one request at a time (single stream), greedy, on tasks that copy or lightly edit a
 passage the prompt holds (this repository's own README, docs and source, so the prompts are the
@@ -17,7 +19,10 @@ draft costs as much as the target; ``layerskip`` drafts with the target's first
 
 ``serve``: ``tokenmill serve`` with ``--speculative-method ngram`` against the same server without
 it, each measured by ``tokenmill bench serve`` (random 128/128, EOS ignored) at each concurrency;
-output tok/s and its ratio (on / off), rounds alternating on and off.
+output tok/s and its ratio (on / off), rounds alternating on and off. The default model's greedy
+output on random prompts falls into loops that n-gram lookup predicts; ``--temperature 1`` gives
+text it rarely predicts (the case where speculation must cost nothing), and ``--fixed-k``
+drafts whenever a match exists, as a non-adaptive engine would.
 """
 
 from __future__ import annotations
@@ -68,10 +73,11 @@ def grounded_tasks() -> list[list[dict]]:
     ]
 
 
-def method_options(method: str, k: int, draft_layers: int | None) -> dict:
+def method_options(method: str, k: int, draft_layers: int | None, adaptive: bool) -> dict:
     if method == "off":
         return {}
-    opts = dict(speculative_method=method, num_speculative_tokens=k)
+    opts = dict(speculative_method=method, num_speculative_tokens=k,
+                speculative_adaptive=adaptive)
     if method == "draft":
         opts["speculative_model"] = MODEL
     if method == "layerskip" and draft_layers:
@@ -96,8 +102,9 @@ def single_stream(llm: LLM, conversation: list[dict], max_tokens: int) -> tuple[
 
 
 def run_grounded(args) -> dict:
-    tasks = grounded_tasks()
-    llms = {m: LLM(MODEL, dtype=args.dtype, **method_options(m, args.k, args.draft_layers))
+    tasks = grounded_tasks()[:args.tasks]
+    llms = {m: LLM(MODEL, dtype=args.dtype,
+                   **method_options(m, args.k, args.draft_layers, not args.fixed_k))
             for m in args.methods}
     for llm in llms.values():  # warm-up
         llm.chat(tasks[0], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -133,6 +140,7 @@ def run_grounded(args) -> dict:
         print(json.dumps(row), flush=True)
     info = llms[args.methods[0]].engine.info
     return {"mode": "grounded", "machine": machine(), "dtype": info.dtype, "k": args.k,
+            "adaptive": not args.fixed_k, "draft_layers": args.draft_layers,
             "max_tokens": args.max_tokens, "rounds": args.rounds, "tasks": len(tasks),
             "rows": rows}
 
@@ -163,10 +171,12 @@ def start_server(flags: list[str], log_dir: str) -> tuple[subprocess.Popen, str]
     raise RuntimeError(f"server did not start; see {log.name}")
 
 
-def bench(url: str, concurrency: int, num_prompts: int, out_file: str) -> dict:
+def bench(url: str, concurrency: int, num_prompts: int, out_file: str,
+          temperature: float) -> dict:
     subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "serve", "--base-url", url,
                     "--model", MODEL, "--workload", "random", "--input-len", "128",
                     "--output-len", "128", "--ignore-eos", "--num-prompts", str(num_prompts),
+                    "--temperature", str(temperature),
                     "--max-concurrency", str(concurrency), "--result-file", out_file,
                     "--no-progress"], check=True, stdout=subprocess.DEVNULL)
     return json.loads(Path(out_file).read_text())
@@ -175,16 +185,18 @@ def bench(url: str, concurrency: int, num_prompts: int, out_file: str) -> dict:
 def run_serve(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="tokenmill-spec-")
     common = ["--dtype", args.dtype]
+    ngram = [*common, "--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
     servers = {"off": start_server(common, tmp),
-               "ngram": start_server([*common, "--speculative-method", "ngram",
-                                      "--num-speculative-tokens", str(args.k)], tmp)}
+               "ngram": start_server([*ngram, *(["--no-speculative-adaptive"]
+                                                if args.fixed_k else [])], tmp)}
     results: dict[tuple[str, int], list[float]] = {}
     try:
         for r in range(args.rounds):
             for c in args.concurrency:
                 for name in (("off", "ngram") if r % 2 == 0 else ("ngram", "off")):
                     _, url = servers[name]
-                    res = bench(url, c, max(8, 2 * c), os.path.join(tmp, f"{name}-{c}-{r}.json"))
+                    res = bench(url, c, max(8, 2 * c), os.path.join(tmp, f"{name}-{c}-{r}.json"),
+                                args.temperature)
                     results.setdefault((name, c), []).append(res["output_throughput"])
                     print(name, c, round(res["output_throughput"], 1), flush=True)
     finally:
@@ -200,6 +212,7 @@ def run_serve(args) -> dict:
                      "ngram_runs": results[("ngram", c)]})
         print(json.dumps(rows[-1]), flush=True)
     return {"mode": "serve", "machine": machine(), "dtype": args.dtype, "k": args.k,
+            "adaptive": not args.fixed_k, "temperature": args.temperature,
             "workload": "random 128/128, ignore_eos", "rounds": args.rounds, "rows": rows}
 
 
@@ -209,9 +222,14 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft", "layerskip"])
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--draft-layers", type=int, default=None, help="layerskip: layers that draft")
+    ap.add_argument("--fixed-k", action="store_true",
+                    help="grounded: always draft k (--no-speculative-adaptive), e.g. to measure "
+                         "a method's raw acceptance")
+    ap.add_argument("--tasks", type=int, default=None, help="grounded: only the first N tasks")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--temperature", type=float, default=0.0, help="serve: of the requests")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
