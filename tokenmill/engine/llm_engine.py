@@ -2,8 +2,8 @@
 
 The engine is built from parts: a ``Scheduler`` (which tokens run, the KV blocks), a runner
 (tensors; anything with ``execute``), a ``Tokenizer`` and, optionally, a draft proposer
-(``spec.SpeculativeDecoder``, or anything with ``propose``). ``LLMEngine.from_config`` builds the real ones from an ``EngineConfig``; tests build
-it with a fake runner and no torch at all. The engine owns what needs text: detokenization,
+(``spec.SpeculativeDecoder``, or anything with ``propose``). ``LLMEngine.from_config`` builds
+the real ones from an ``EngineConfig``; tests build it with a fake runner and no torch at all. The engine owns what needs text: detokenization,
 stop strings, logprobs bookkeeping. ``AsyncEngine`` and the server use only the public surface
 below (add, abort, step, stats, info, tokenizer, check_prompt).
 """
