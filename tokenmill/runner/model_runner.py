@@ -7,8 +7,10 @@ and min_tokens); the drafts are accepted while each equals the token sampled at 
 before it, and the first sample that differs (or the one after the last draft) is appended as
 the model's own token. Sampling a position and keeping the draft only if it comes out equal is
 exactly the rejection rule for a draft that proposes one token with certainty, so greedy output
-is unchanged and sampled output keeps the model's distribution. Drafts with probabilities of
-their own (a draft model) need the general rule, which ``spec/`` brings.
+is unchanged and sampled output keeps the model's distribution. A draft drawn from a
+distribution q of its own (a draft model's, ``spec/``) brings q to its row, and the sampler
+applies the general rule there (keep it with min(1, p/q), else draw from max(p - q, 0)); the
+row's token then equals the draft exactly when it was kept, so acceptance below is the same.
 """
 
 from __future__ import annotations
