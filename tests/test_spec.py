@@ -367,8 +367,9 @@ def test_sampled_tokens_follow_the_target_with_a_bad_draft(tiny_pair):
     distributed as the target's, by a chi-square test against the exact distributions."""
     target, draft = tiny_pair
     # seed: every request samples reproducibly, so the test's verdict does not vary by run
-    llm = LLM(target, num_blocks=2048, dtype="float32", max_num_seqs=256, seed=1234, speculative_method="draft", speculative_model=draft,
-              num_speculative_tokens=3, speculative_adaptive=False)
+    llm = LLM(target, num_blocks=2048, dtype="float32", max_num_seqs=256, seed=1234,
+              speculative_method="draft", speculative_model=draft, num_speculative_tokens=3,
+              speculative_adaptive=False)
     prompt = [5, 17, 3, 60, 41, 8, 90, 12]
     p1, p2, p3 = exact_next_distributions(llm, prompt)
     n = 20000

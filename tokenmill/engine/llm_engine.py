@@ -3,9 +3,10 @@
 The engine is built from parts: a ``Scheduler`` (which tokens run, the KV blocks), a runner
 (tensors; anything with ``execute``), a ``Tokenizer`` and, optionally, a draft proposer
 (``spec.SpeculativeDecoder``, or anything with ``propose``). ``LLMEngine.from_config`` builds
-the real ones from an ``EngineConfig``; tests build it with a fake runner and no torch at all. The engine owns what needs text: detokenization,
-stop strings, logprobs bookkeeping. ``AsyncEngine`` and the server use only the public surface
-below (add, abort, step, stats, info, tokenizer, check_prompt).
+the real ones from an ``EngineConfig``; tests build it with a fake runner and no torch at all.
+The engine owns what needs text: detokenization, stop strings, logprobs bookkeeping.
+``AsyncEngine`` and the server use only the public surface below (add, abort, step, stats,
+info, tokenizer, check_prompt).
 """
 
 from __future__ import annotations
@@ -288,17 +289,14 @@ class LLMEngine:
         preempted = self.scheduler.num_preemptions
         self._propose()
         out = self.scheduler.schedule()
-        if out.finished_ids and hasattr(self.proposer, "forget"):
-            self.proposer.forget(out.finished_ids)
+        self._forget(out.finished_ids)  # aborted between steps
         result, seconds = self._run(out) if out.scheduled else (ModelOutput(), 0.0)
         if hasattr(self.proposer, "observe"):
             self.proposer.observe(out.scheduled, result.token_ids, out.num_batched_tokens,
                                   seconds)
         updates = self.scheduler.update_from_output(out, result.token_ids)
         outputs = self._process(updates, result.logprobs)
-        ended = self.scheduler.take_finished_ids()  # not left waiting for the next step
-        if ended and hasattr(self.proposer, "forget"):
-            self.proposer.forget(ended)
+        self._forget(self.scheduler.take_finished_ids())  # now, not at the next step
         new_tokens = sum(len(u.new_token_ids) for u in updates)
         self.last_step = StepInfo(out.num_batched_tokens, new_tokens,
                                   self.scheduler.num_preemptions - preempted,
@@ -307,6 +305,11 @@ class LLMEngine:
         self._counters["num_steps"] += 1
         self._counters["step_seconds"] += time.perf_counter() - start
         return outputs
+
+    def _forget(self, seq_ids: list[str]) -> None:
+        """Ended sequences: the proposer drops what it keeps for them (a drafter's blocks)."""
+        if seq_ids and hasattr(self.proposer, "forget"):
+            self.proposer.forget(seq_ids)
 
     def _propose(self) -> None:
         self._draft_probs = {}

@@ -27,6 +27,7 @@ from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
 from tokenmill.sched.output import ModelOutput, ScheduledChunk, num_matching_drafts
 
 if TYPE_CHECKING:
+    from tokenmill.request import Request
     from tokenmill.structured.manager import PendingMasks
 
 
@@ -94,13 +95,18 @@ def sampling_rows(chunks: Sequence[ScheduledChunk],
         drafts = c.draft_token_ids
         probs = draft_probs.get(c.request_id, ()) if draft_probs else ()
         for j in range(c.num_logits):
-            output = r.output_token_ids if j == 0 else [*r.output_token_ids, *drafts[:j]]
-            row = SamplingRow(c.request_id, r.sampling_params, r.prompt_token_ids, output,
-                              r.stop_token_ids, r.seq_index)
+            row = sampling_row(r, drafts[:j])
             if j < len(drafts) and j < len(probs) and probs[j] is not None:
                 row.draft_token, row.draft_probs = drafts[j], probs[j]
             rows.append(row)
     return rows
+
+
+def sampling_row(request: Request, drafts: Sequence[int] = ()) -> SamplingRow:
+    """The row that samples the position after ``request``'s tokens and ``drafts``."""
+    output = [*request.output_token_ids, *drafts] if drafts else request.output_token_ids
+    return SamplingRow(request.request_id, request.sampling_params, request.prompt_token_ids,
+                       output, request.stop_token_ids, request.seq_index)
 
 
 def accept_tokens(chunks: Sequence[ScheduledChunk], sampled: SamplerOutput) -> ModelOutput:

@@ -30,7 +30,8 @@ from tokenmill.config import ModelConfig
 from tokenmill.request import Request
 from tokenmill.runner.batch import Chunk, build_flat_batch
 from tokenmill.runner.kv_cache import allocate_kv_cache
-from tokenmill.runner.sampler import Sampler, SamplingRow
+from tokenmill.runner.model_runner import sampling_row
+from tokenmill.runner.sampler import Sampler
 
 
 class EarlyExit(nn.Module):
@@ -95,7 +96,6 @@ class ModelDrafter:
         self._calls = 0
         # (tokens, seconds) per drafting forward, its draw included; the decoder drains it
         self.forward_log: list[tuple[int, float]] = []
-        self._started = 0.0
 
     def propose(self, requests: Sequence[Request], num_tokens: Mapping[str, int]) -> Proposal:
         """Up to ``num_tokens[seq_id]`` drafts for each sequence listed there."""
@@ -126,14 +126,15 @@ class ModelDrafter:
             if chunks:
                 self._forward(chunks)
             return proposal
+        started = time.perf_counter()  # each round timed through the draw that reads it
         logits = self._forward(chunks)
         rounds = max(k for _, _, k in drafting)
         num_batched = sum(len(c.token_ids) for c in chunks)
         for j in range(rounds):
-            rows = [self._row(r, proposal.token_ids.get(r.request_id, ()))
+            rows = [sampling_row(r, proposal.token_ids.get(r.request_id, ()))
                     for r, _, _ in drafting]
             tokens, probs = self.sampler.draft(logits, rows, owned=True)
-            self.forward_log.append((num_batched, time.perf_counter() - self._started))
+            self.forward_log.append((num_batched, time.perf_counter() - started))
             still: list[tuple[Request, _DraftSeq, int]] = []
             for (r, st, k), token, q in zip(drafting, tokens, probs):
                 proposal.token_ids.setdefault(r.request_id, []).append(token)
@@ -148,6 +149,7 @@ class ModelDrafter:
                 token = proposal.token_ids[r.request_id][-1]
                 chunks.append(Chunk([token], len(st.tokens), st.blocks))
                 st.tokens.append(token)
+            started = time.perf_counter()
             logits = self._forward(chunks)
             num_batched = len(chunks)
         return proposal
@@ -157,10 +159,6 @@ class ModelDrafter:
             st = self._seqs.pop(seq_id, None)
             if st is not None:
                 self.free_blocks.extend(reversed(st.blocks))
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
 
     # ----- internals --------------------------------------------------------------------------
 
@@ -204,15 +202,8 @@ class ModelDrafter:
             st.blocks.append(self.free_blocks.pop())
         return True
 
-    @staticmethod
-    def _row(r: Request, drafts: Sequence[int]) -> SamplingRow:
-        output = [*r.output_token_ids, *drafts] if drafts else r.output_token_ids
-        return SamplingRow(r.request_id, r.sampling_params, r.prompt_token_ids, output,
-                           r.stop_token_ids, r.seq_index)
-
     @torch.inference_mode()
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        self._started = time.perf_counter()  # timed through the draw that reads the logits
         batch = build_flat_batch(chunks, self.block_size, self.device)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
                           batch.logits_indices)

@@ -2,11 +2,12 @@
 sequence and the measured cost of a step, so speculation runs only where it pays.
 
 A sequence gains g_1 + ... + g_k tokens from k drafts, g_j the chance that its first j drafts
-are all accepted (``AcceptanceTracker.gains``). Every draft adds a token to the target's forward (and,
-for a model drafter, to its rounds). The policy picks the drafts that maximise tokens per second
-of the whole step:
+are all accepted (``AcceptanceTracker.gains``). Every draft adds a token to the target's forward
+(and, for a model drafter, to its rounds). The policy picks the drafts that maximise tokens per
+second of the whole step:
 
-    rate(drafts) = (B + sum of the chosen gains) / (t_target(T0 + #drafts) + t_draft(rounds, #drafts))
+    rate(drafts) = (B + sum of the chosen gains)
+                   / (t_target(T0 + #drafts) + t_draft(rounds, #drafts))
 
 where B sequences make one token each anyway and T0 is the step's tokens without drafts. Gains
 shrink with j, so the best set for a given number of drafts takes the largest gains; the
@@ -37,12 +38,10 @@ class LinearCost:
         self.decay = decay
         self.a, self.b = a, b  # current fit (the prior until there is spread to fit)
         self._s = np.zeros(5)  # weight, sum x, sum y, sum x^2, sum x*y
-        self.num_samples = 0
 
     def add(self, tokens: int, seconds: float) -> None:
         self._s *= self.decay
         self._s += (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
-        self.num_samples += 1
         w, sx, sy, sxx, sxy = self._s
         var = sxx / w - (sx / w) ** 2
         if var > 1.0:  # token counts spread enough to separate slope from intercept
@@ -54,10 +53,6 @@ class LinearCost:
 
     def __call__(self, tokens: float) -> float:
         return self.a + self.b * tokens
-
-    @property
-    def fitted(self) -> bool:
-        return self.b > 0.0
 
 
 class StepCost:
