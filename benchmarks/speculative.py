@@ -18,7 +18,8 @@ draft costs as much as the target; ``layerskip`` drafts with the target's first
 ``--draft-layers`` layers.
 
 ``serve``: ``tokenmill serve`` with ``--speculative-method ngram`` against the same server without
-it, each measured by ``tokenmill bench serve`` (random 128/128, EOS ignored) at each concurrency;
+it (both as ``benchmarks/compare.py`` starts tokenmill: ``peers.TokenmillPeer``, 2 GiB of KV cache,
+2,048-token context), each measured by ``tokenmill bench serve`` (random 128/128, EOS ignored) at each concurrency;
 output tok/s and its ratio (on / off), rounds alternating on and off. The default model's greedy
 output on random prompts falls into loops that n-gram lookup predicts; ``--temperature 1`` gives
 text it rarely predicts (the case where speculation must cost nothing), and ``--fixed-k``
@@ -29,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,8 +38,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 from machine import machine  # noqa: E402  (benchmarks/machine.py)
+from peers import TokenmillPeer, start_peer  # noqa: E402  (benchmarks/peers/peers.py)
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
@@ -147,30 +148,6 @@ def run_grounded(args) -> dict:
 
 # ----- serve -----------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(flags: list[str], log_dir: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(os.path.join(log_dir, f"server-{port}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", MODEL, "--port",
-                             str(port), *flags], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server did not start; see {log.name}")
-
-
 def bench(url: str, concurrency: int, num_prompts: int, out_file: str,
           temperature: float) -> dict:
     subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "serve", "--base-url", url,
@@ -183,26 +160,27 @@ def bench(url: str, concurrency: int, num_prompts: int, out_file: str,
 
 
 def run_serve(args) -> dict:
-    tmp = tempfile.mkdtemp(prefix="tokenmill-spec-")
-    common = ["--dtype", args.dtype]
-    ngram = [*common, "--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
-    servers = {"off": start_server(common, tmp),
-               "ngram": start_server([*ngram, *(["--no-speculative-adaptive"]
-                                                if args.fixed_k else [])], tmp)}
+    tmp = Path(tempfile.mkdtemp(prefix="tokenmill-spec-"))
+    ngram = ("--speculative-method", "ngram", "--num-speculative-tokens", str(args.k),
+             *(("--no-speculative-adaptive",) if args.fixed_k else ()))
+    # the servers compare.py runs for tokenmill (same KV budget and context), one with n-gram
+    peers = {"off": TokenmillPeer("tokenmill", args.dtype),
+             "ngram": TokenmillPeer("tokenmill-ngram", args.dtype, extra=ngram)}
+    servers = {}
     results: dict[tuple[str, int], list[float]] = {}
     try:
+        for i, (name, peer) in enumerate(peers.items()):
+            servers[name] = start_peer(peer, tmp, args.base_port + i, tmp / "logs")
         for r in range(args.rounds):
             for c in args.concurrency:
                 for name in (("off", "ngram") if r % 2 == 0 else ("ngram", "off")):
-                    _, url = servers[name]
-                    res = bench(url, c, max(8, 2 * c), os.path.join(tmp, f"{name}-{c}-{r}.json"),
-                                args.temperature)
+                    res = bench(servers[name].url, c, max(8, 2 * c),
+                                str(tmp / f"{name}-{c}-{r}.json"), args.temperature)
                     results.setdefault((name, c), []).append(res["output_throughput"])
                     print(name, c, round(res["output_throughput"], 1), flush=True)
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(30)
+        for server in servers.values():
+            server.stop()
     rows = []
     for c in args.concurrency:
         off = statistics.median(results[("off", c)])
@@ -230,6 +208,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--temperature", type=float, default=0.0, help="serve: of the requests")
+    ap.add_argument("--base-port", type=int, default=8100, help="serve: ports from here")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()

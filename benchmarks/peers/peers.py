@@ -78,10 +78,12 @@ class Peer:
 
 
 class TokenmillPeer(Peer):
-    """tokenmill in the dtype it picks for the machine (``--dtype auto``), or a fixed one."""
+    """tokenmill in the dtype it picks for the machine (``--dtype auto``), or a fixed one;
+    ``extra``: more ``tokenmill serve`` flags (benchmarks/speculative.py adds speculation)."""
 
-    def __init__(self, name: str = "tokenmill", dtype: str | None = None):
-        self.name, self.dtype = name, dtype
+    def __init__(self, name: str = "tokenmill", dtype: str | None = None,
+                 extra: tuple[str, ...] = ()):
+        self.name, self.dtype, self.extra = name, dtype, extra
 
     def installed(self, root: Path) -> bool:
         return True
@@ -93,7 +95,8 @@ class TokenmillPeer(Peer):
         return Launch([sys.executable, "-m", "tokenmill.cli", "serve", SERVED_NAME,
                        "--host", "127.0.0.1", "--port", str(port),
                        "--kv-cache-memory", f"{KV_CACHE_GIB}GiB", "--max-model-len", str(SLOT_CTX),
-                       "--log-level", "warning", *(["--dtype", self.dtype] if self.dtype else [])])
+                       "--log-level", "warning", *(["--dtype", self.dtype] if self.dtype else []),
+                       *self.extra])
 
 
 class HFPeer(Peer):
@@ -296,8 +299,14 @@ class Running:
 
 
 def start(name: str, root: Path, port: int, log_dir: Path, timeout: float = 900) -> Running:
+    """Start the peer called ``name`` (see ``start_peer``)."""
+    return start_peer(PEERS[name], root, port, log_dir, timeout)
+
+
+def start_peer(peer: Peer, root: Path, port: int, log_dir: Path,
+               timeout: float = 900) -> Running:
     """Start a peer and wait until ``/v1/models`` answers; raises with the log's tail if not."""
-    peer = PEERS[name]
+    name = peer.name
     if not peer.installed(root):
         raise RuntimeError(f"{name} is not installed under {root}: "
                            f"python3 benchmarks/peers/peers.py install {name} --root {root}")
