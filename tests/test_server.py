@@ -210,19 +210,71 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    # valid JSON that is not usable text or numbers
+    ("/v1/completions", {"prompt": "\ud800"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "x\udfff"], "stream": True}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "model": "\ud800"}, 400, "model"),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400,
+     "messages"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": Infinity}', 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "repetition_penalty": NaN}', 400,
+     "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"maximum": 1e999}}}},
+     400, "response_format"),
+    # limits
+    ("/v1/completions", {"prompt": "x", "n": 10000}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 100, "max_tokens": 1000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"49152": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, 400,
+     "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stop": [str(i) for i in range(17)]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ["x" * 1025]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    ("/tokenize", {"prompt": "x" * 10 ** 6}, 400, "prompt"),
+    # what tokenmill does not do is refused, not ignored
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 1/0 }}"}, 400,
+     "chat_template"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {
+        "chat_template": "{% for i in range(10**9) %}x{% endfor %}"}}, 400, "chat_template"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "x", "best_of": 1, "n": 2}, 400, "best_of"),
+    ("/v1/chat/completions", {"messages": CHAT, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400,
+     "functions"),
+    ("/v1/chat/completions", {"messages": CHAT, "modalities": ["audio"]}, 400, "modalities"),
+    ("/v1/chat/completions", {"messages": CHAT, "store": True}, 400, "store"),
+    ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, 400,
+     "continue_final_message"),
 ]
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS,
                          ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD_REQUESTS)])
 def test_bad_input(server, path, body, status, param):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} \
-        if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{server.url}{path}", timeout=30, **kw)
+    # json.dumps escapes lone surrogates (\ud800), which are valid JSON but not UTF-8 text
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.url}{path}", timeout=30, content=content,
+                   headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+
+
+def test_completed_api_routes(server, client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2, best_of=2,
+                                  temperature=0)
+    assert len(r.choices) == 2  # best_of == n asks for nothing more than n
+    assert httpx.get(f"{server.url}/health", params={"generate": "true"}).status_code == 200
 
 
 def test_server_keeps_serving_after_bad_input(server, client):

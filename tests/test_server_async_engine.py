@@ -11,7 +11,8 @@ import pytest
 
 from tests.test_engine_unit import make_engine
 from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
-                                           EngineUnavailableError)
+                                           EngineUnavailableError, RequestFailedError)
+from tokenmill.engine.llm_engine import MAX_FAILED_STEPS
 from tokenmill.params import SamplingParams
 
 
@@ -121,7 +122,7 @@ def test_bad_prompt_and_admission_control():
     assert all(r[-1].finished for r in ok)
 
 
-def test_dead_loop_fails_streams_and_reports_not_alive():
+def test_failing_step_fails_its_requests_alone_until_it_keeps_failing():
     fake = FakeEngine()
 
     async def main():
@@ -130,12 +131,43 @@ def test_dead_loop_fails_streams_and_reports_not_alive():
         gen = engine.generate("a", [1], SamplingParams(max_tokens=10_000))
         await gen.__anext__()
         fake.fail = True
-        with pytest.raises(EngineUnavailableError):
+        with pytest.raises(RequestFailedError, match="boom"):
             async for _ in gen:
                 pass
+        assert engine.is_alive  # one failing step fails its requests, not the engine
+        fake.fail = False
+        outs = await _consume(engine, "b", 3)
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        fake.fail = True  # failing step after step: the engine is broken, the loop stops
+        errors = []
+        for i in range(MAX_FAILED_STEPS):
+            try:
+                await _consume(engine, f"c{i}", 3)
+            except (RequestFailedError, EngineUnavailableError) as e:
+                errors.append(type(e))
+        assert errors == [RequestFailedError] * (MAX_FAILED_STEPS - 1) + [EngineUnavailableError]
         assert not engine.is_alive
         with pytest.raises(EngineUnavailableError):
-            await engine.add_request("b", [1], SamplingParams())
+            await engine.add_request("d", [1], SamplingParams())
+        assert not fake.engine.has_unfinished_requests()
+
+    run(main())
+
+
+def test_drain_ends_what_is_left_with_an_error():
+    fake = FakeEngine(step_seconds=0.01)
+
+    async def main():
+        engine = AsyncEngine(fake.engine)
+        engine.start()
+        gen = engine.generate("a", [1], SamplingParams(max_tokens=10_000))
+        await gen.__anext__()
+        assert await engine.drain(0.1) == 1
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            async for _ in gen:
+                pass
+        await engine.shutdown(1)
+        assert not fake.engine.has_unfinished_requests()
 
     run(main())
 

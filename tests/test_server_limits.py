@@ -26,16 +26,50 @@ def server(tmp_path_factory):
     stop_server(s)
 
 
+# Every route and whether it needs the key: all that reads model state or changes server state
+# does; liveness, the version and the API's own description do not.
+ROUTES = [
+    ("GET", "/v1/models", True), ("GET", f"/v1/models/{MODEL}", True),
+    ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True),
+    ("POST", "/v1/responses", True), ("POST", "/tokenize", True), ("POST", "/detokenize", True),
+    ("POST", "/flush_cache", True), ("GET", "/metrics", True), ("GET", "/server_info", True),
+    ("GET", "/no/such/route", True),
+    ("GET", "/health", False), ("GET", "/version", False), ("GET", "/openapi.json", False),
+]
+
+
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
-                                     {"Authorization": KEY}])
-def test_missing_or_wrong_key_is_401(server, headers):
-    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
-                         ("POST", "/v1/chat/completions")):
+                                     {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}])
+def test_missing_or_wrong_key_is_401_on_every_protected_route(server, headers):
+    for method, path, protected in ROUTES:
         r = httpx.request(method, f"{server.url}{path}", headers=headers,
-                          json={"model": MODEL, "prompt": "x"})
+                          json={"model": MODEL, "prompt": "x", "tokens": [1]})
+        if not protected:
+            assert r.status_code == 200, (path, r.text)
+            continue
         assert r.status_code == 401, (path, r.text)
         err = r.json()["error"]
         assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+
+
+BODIES = {
+    "/v1/completions": {"prompt": "x", "max_tokens": 1},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+    "/v1/responses": {"input": "x", "max_output_tokens": 1},
+    "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [1]},
+}
+
+
+def test_the_key_opens_every_protected_route(server):
+    flushed_before = httpx.post(f"{server.url}/flush_cache").status_code
+    assert flushed_before == 401  # state-changing: never without the key
+    for i, (method, path, protected) in enumerate(ROUTES):
+        if protected and path != "/no/such/route":
+            # the scheme's case does not matter (RFC 9110), the key's does
+            headers = AUTH if i % 2 else {"Authorization": f"bearer {KEY}"}
+            r = httpx.request(method, f"{server.url}{path}", headers=headers,
+                              json=BODIES.get(path))
+            assert r.status_code == 200, (path, r.text)
 
 
 def test_right_key_works(server):
@@ -49,7 +83,7 @@ def test_right_key_works(server):
 
 
 def test_overload_gets_503_while_accepted_requests_complete(server):
-    before = metrics(server.url)
+    before = metrics(server.url, AUTH)
     body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 12, "ignore_eos": True}
 
     async def one(http):
@@ -70,7 +104,7 @@ def test_overload_gets_503_while_accepted_requests_complete(server):
     for r in rejected:
         assert int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "overloaded"
-    after = metrics(server.url)
+    after = metrics(server.url, AUTH)
     key = ("tokenmill:admission_rejections_total", ())
     assert after[key] - before[key] == len(rejected)
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60)

@@ -34,10 +34,13 @@ class Server:
             return f.read()
 
 
-def start_server(tmp_path_factory, *extra: str, timeout: float = 120.0) -> Server:
+def start_server(tmp_path_factory, *extra: str, timeout: float = 120.0,
+                 model: str = MODEL) -> Server:
+    """``tokenmill serve model`` on a free port; flags in ``extra`` come after (and override)
+    the defaults here."""
     port = free_port()
     log_path = str(tmp_path_factory.mktemp("server") / "server.log")
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", MODEL, "--port", str(port),
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", model, "--port", str(port),
            "--kv-cache-memory", "512blocks", "--max-model-len", "2048", *extra]
     env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
     log = open(log_path, "w")

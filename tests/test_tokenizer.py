@@ -450,3 +450,34 @@ def test_bad_files(tmp_path: Path) -> None:
         Tokenizer.from_gguf(truncated)
     with pytest.raises(ModelLoadError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+# ----- templates are code: whatever one does fails that render alone ------------------------
+
+@pytest.mark.parametrize("source,words", [
+    ("{{ 1/0 }}", "ZeroDivisionError"),
+    ("{{ messages[5].content }}", "failed"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed"),
+    ("{{ 'x' * 10 ** 10 }}", "repeats a sequence"),
+    ("{{ [0] * 10 ** 9 }}", "repeats a sequence"),
+    ("{{ 7 ** 100000000 }}", "power too large"),
+    ("{% for i in range(10) %}{{ 'y' * 100 }}{% endfor %}", "more than 500 characters"),
+])
+def test_failing_templates_raise_chat_template_error_quickly(source, words):
+    from tokenmill.tokenizer.chat_template import render_chat, template_variables
+
+    start = time.monotonic()
+    template_variables(source)  # scanning a template evaluates nothing
+    with pytest.raises(ChatTemplateError, match=words):
+        render_chat(source, [{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                    tools=None, variables={}, max_chars=500)
+    assert time.monotonic() - start < 2
+
+
+def test_bounded_sandbox_keeps_ordinary_arithmetic():
+    from tokenmill.tokenizer.chat_template import render_chat
+
+    out = render_chat("{{ '-' * 3 }}{{ 2 ** 10 }}{{ [1] * 2 }}{{ 3 * 4 }}{{ 2.5 * 2 }}",
+                      [{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                      tools=None, variables={})
+    assert out == "---1024[1, 1]125.0"

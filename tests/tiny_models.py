@@ -25,12 +25,13 @@ ARCHS = {
 }
 
 
-def make_hf_model(arch: str, seed: int = 0):
-    """A transformers model with every weight random (norms and biases too), in eval mode."""
+def make_hf_model(arch: str, seed: int = 0, **config_overrides):
+    """A transformers model with every weight random (norms and biases too), in eval mode;
+    ``config_overrides`` replace config values (``vocab_size=257``)."""
     import transformers
 
     cls_name, extra = ARCHS[arch]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **config_overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

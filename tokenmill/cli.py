@@ -149,8 +149,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the MODEL argument)")
     p.add_argument("--api-key", default=None,
-                   help="require Authorization: Bearer KEY on /v1/* (default: env "
-                        "TOKENMILL_API_KEY, else no key)")
+                   help="require Authorization: Bearer KEY on every route but /health, "
+                        "/version and the API docs (default: env TOKENMILL_API_KEY, else no "
+                        "key)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without the API key (for a scraper that has none)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 + Retry-After when this many requests are waiting "
                         "(default: unbounded)")
@@ -160,8 +163,63 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="how the model writes tool calls, parsed from chat output when tools "
                         "are offered (hermes: <tool_call>{json}</tool_call>, as SmolLM2 and "
                         "Qwen write them; default: hermes)")
+    p.add_argument("--step-timeout", type=float, default=60.0,
+                   help="an engine step running longer than this many seconds turns /health "
+                        "into 503 (and is logged) until it ends (default: 60)")
+    _add_limit_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.server.limits import RequestLimits
+
+    d = RequestLimits()
+    g = p.add_argument_group("request limits (each checked before any work; 400, or 413 for "
+                             "the body)")
+    g.add_argument("--max-request-bytes", dest="max_body_bytes", type=int,
+                   default=d.max_body_bytes, help="request body size (default: 32 MiB)")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="characters of one prompt (or a conversation's messages) before "
+                        "tokenizing (default: the longest text the context can hold, "
+                        "max-model-len x the longest token)")
+    g.add_argument("--max-n", type=int, default=d.max_n,
+                   help=f"choices per request (default: {d.max_n})")
+    g.add_argument("--max-request-tokens", type=int, default=None,
+                   help="tokens one request may ask to generate: prompts x n x max_tokens "
+                        "(default: the KV cache's size in tokens)")
+    g.add_argument("--max-stop", type=int, default=d.max_stop,
+                   help=f"stop strings per request (stop_token_ids: 4x; default: {d.max_stop})")
+    g.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                   help=f"characters of one stop string (default: {d.max_stop_chars})")
+    g.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
+                   help=f"logit_bias entries (default: {d.max_logit_bias})")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help=f"logprobs / top_logprobs (default and most: {d.max_logprobs})")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat templates sent in requests (chat_template); they run in "
+                        "a separate process under a time and memory bound. Off: such "
+                        "requests get a 400")
+    g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout,
+                   help="seconds a request's own chat template may render (default: "
+                        f"{d.chat_template_timeout:g})")
+
+
+def _limits(args: argparse.Namespace):
+    from tokenmill.params import MAX_LOGPROBS
+    from tokenmill.server.limits import RequestLimits
+
+    if args.max_logprobs > MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be <= {MAX_LOGPROBS}")
+    limits = RequestLimits(
+        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+        max_n=args.max_n, max_request_tokens=args.max_request_tokens, max_stop=args.max_stop,
+        max_stop_chars=args.max_stop_chars, max_logit_bias=args.max_logit_bias,
+        max_logprobs=args.max_logprobs,
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_timeout=args.chat_template_timeout)
+    limits.check()
+    return limits
 
 
 def _make_llm(args: argparse.Namespace):
@@ -218,11 +276,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
+    if args.step_timeout <= 0:
+        raise ValueError("--step-timeout must be > 0")
     settings = ServerSettings(
         model_name=args.served_model_name or args.model, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, limits=_limits(args),
+        public_metrics=args.public_metrics, step_timeout=args.step_timeout)
     return run_server(_make_llm(args).engine, settings, args.log_level)
 
 

@@ -41,6 +41,11 @@ class EngineUnavailableError(Exception):
     """The engine is shutting down or its loop died; no new requests are taken."""
 
 
+class RequestFailedError(Exception):
+    """The engine failed this request (its step or its output processing raised); the engine
+    and the other requests go on."""
+
+
 @dataclass
 class RequestTimings:
     """Monotonic timestamps of one request, for metrics and the per-request log line."""
@@ -87,7 +92,12 @@ class _Flush:
     done: asyncio.Future  # the number of blocks dropped, or the refusal
 
 
-_Command = _Add | _Abort | _Flush
+@dataclass(frozen=True)
+class _FailAll:
+    reason: str  # every request still running ends with EngineUnavailableError(reason)
+
+
+_Command = _Add | _Abort | _Flush | _FailAll
 
 
 class StatsListener(Protocol):
@@ -155,6 +165,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._step_start = 0.0
+        self._in_step = False
 
     @property
     def info(self) -> EngineInfo:
@@ -190,12 +201,29 @@ class AsyncEngine:
         snap = self.snapshot
         return self._adds_sent - snap.num_adds_taken + snap.num_running + snap.num_waiting
 
-    async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop accepting; let running requests finish for up to ``timeout`` s; stop the loop."""
+    @property
+    def step_seconds(self) -> float:
+        """How long the step now running has run (0 between steps): the watchdog's input."""
+        return time.monotonic() - self._step_start if self._in_step else 0.0
+
+    async def drain(self, timeout: float) -> int:
+        """Stop accepting; let running requests finish for up to ``timeout`` s, then end the
+        rest with EngineUnavailableError (their callers can still say so to their clients).
+        Returns how many were ended that way."""
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self.num_active and self.is_alive and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        left = self.num_active
+        if left and self.is_alive:
+            logger.info("shutdown: %d requests did not finish in %.0fs; ending them", left,
+                        timeout)
+            self._send(_FailAll("the server is shutting down"))
+        return left
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting; let running requests finish for up to ``timeout`` s; stop the loop."""
+        await self.drain(timeout)
         with self._cond:
             self._stop = True
             self._cond.notify()
@@ -300,6 +328,8 @@ class AsyncEngine:
                 self._finish_aborted(request_id)
             case _Flush(done):
                 self._flush(done)
+            case _FailAll(reason):
+                self._fail_all(reason)
             case _Add():
                 self._add(command)
 
@@ -336,10 +366,21 @@ class AsyncEngine:
             self.listener.on_request_finished(stream.last, stream.timings)
         _log_finished(request_id, stream, aborted=True)
 
+    def _fail_all(self, reason: str) -> None:
+        error = EngineUnavailableError(reason)
+        streams = list(self._streams.values())
+        self._abort_all()
+        self._deliver([(s, error) for s in streams])
+
     def _step(self) -> None:
         self._step_start = start = time.monotonic()
-        outputs = self.engine.step()
+        self._in_step = True
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._in_step = False
         now = time.monotonic()
+        self._fail_streams(self.engine.take_failures())
         step = self.engine.last_step
         self._mark_scheduled(step.scheduled_request_ids, start)
         deliveries = []
@@ -354,6 +395,15 @@ class AsyncEngine:
             self.listener.on_step(step.num_batched_tokens, step.num_new_tokens,
                                   step.num_preemptions)
         self._publish()
+
+    def _fail_streams(self, failures: dict[str, str]) -> None:
+        deliveries = []
+        for request_id, why in failures.items():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.timings.finished = time.monotonic()
+                deliveries.append((stream, RequestFailedError(f"the request failed: {why}")))
+        self._deliver(deliveries)
 
     def _mark_scheduled(self, request_ids: frozenset[str], now: float) -> None:
         for request_id in request_ids:

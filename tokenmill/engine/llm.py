@@ -76,6 +76,10 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
+                failures = self.engine.take_failures()
+                if failures:
+                    request_id, why = next(iter(failures.items()))
+                    raise RuntimeError(f"request {request_id} failed: {why}")
         return finished
 
 

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tokenmill.engine")
 
+# A failing model step fails the requests in it and the engine goes on; this many failing in a
+# row mean the engine itself is broken, and the step raises.
+MAX_FAILED_STEPS = 3
+
 
 class Runner(Protocol):
     """What the engine needs of a model runner (``runner.ModelRunner`` is the real one)."""
@@ -132,6 +136,8 @@ class LLMEngine:
         self.last_step = StepInfo()
         self._draft_probs: dict[str, list] = {}  # of the drafts kept for the coming step
         self._requests: dict[str, RequestState] = {}
+        self._failures: dict[str, str] = {}  # requests failed since take_failures(): why
+        self._failed_steps = 0  # model steps failed in a row
         self._num_added = 0
         self._counters = dict(num_steps=0, num_prompt_tokens_computed=0,
                               num_generated_tokens=0, forward_seconds=0.0, step_seconds=0.0)
@@ -247,6 +253,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def take_failures(self) -> dict[str, str]:
+        """Requests the engine failed since the last call (request id -> why). They are gone:
+        no output of theirs follows."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _fail(self, request_id: str, why: str) -> None:
+        if self.abort_request(request_id):
+            self._failures[request_id] = why
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """The model's EOS ids (a request may bring its own)."""
@@ -291,9 +307,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._forget(out.finished_ids)  # aborted between steps
         result, seconds = self._run(out) if out.scheduled else (ModelOutput(), 0.0)
-        if hasattr(self.proposer, "observe"):
+        if hasattr(self.proposer, "observe") and result is not None:
             self.proposer.observe(out.scheduled, result.token_ids, out.num_batched_tokens,
                                   seconds)
+        result = result or ModelOutput()
         updates = self.scheduler.update_from_output(out, result.token_ids)
         outputs = self._process(updates, result.logprobs)
         self._forget(self.scheduler.take_finished_ids())  # now, not at the next step
@@ -330,19 +347,25 @@ class LLMEngine:
             if kept and seq_id in probs and list(proposed[seq_id][:len(kept)]) == kept:
                 self._draft_probs[seq_id] = probs[seq_id][:len(kept)]
 
-    def _run(self, out: SchedulerOutput) -> tuple[ModelOutput, float]:
+    def _run(self, out: SchedulerOutput) -> tuple[ModelOutput | None, float]:
+        """The model step; None when it failed (its requests failed, the engine goes on)."""
         start = time.perf_counter()
         try:
             masks = self.structured.start_masks(out.scheduled) if self.structured else None
             result = self.runner.execute(out.scheduled, masks, self._draft_probs or None)
-        except Exception:
-            # Leave no sequence half-run: the step's requests are aborted, the engine lives on.
-            logger.exception("model step failed; aborting the %d requests in it",
+        except Exception as e:
+            # Leave no sequence half-run: the step's requests fail, the engine lives on.
+            self._failed_steps += 1
+            logger.exception("model step failed; failing the %d requests in it",
                              len(out.scheduled))
             for chunk in out.scheduled:
-                self.abort_request(chunk.request.group_id)
-            self.scheduler.update_from_output(out, {})
-            raise
+                self._fail(chunk.request.group_id, f"the model step failed: "
+                           f"{type(e).__name__}: {e}")
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                self.scheduler.update_from_output(out, {})
+                raise
+            return None, time.perf_counter() - start
+        self._failed_steps = 0
         seconds = time.perf_counter() - start
         self._counters["forward_seconds"] += seconds
         self._counters["num_prompt_tokens_computed"] += sum(
@@ -363,6 +386,17 @@ class LLMEngine:
         if complete and seq.stop_token_ids.isdisjoint(self.eos_token_ids):
             self.scheduler.finish_request(seq.request_id, FinishReason.STOP)
 
+    def _take_tokens(self, seq: Request, state: RequestState, update: SeqUpdate,
+                     logprobs: Mapping[str, Sequence[object | None]]) -> None:
+        stop = state.on_tokens(seq, update.new_token_ids, logprobs.get(seq.request_id))
+        if stop is not None:
+            text, kept = stop
+            dropped = len(update.new_token_ids) - kept
+            self.scheduler.finish_request(seq.request_id, FinishReason.STOP, text,
+                                          seq.num_output_tokens - dropped)
+        elif seq.grammar is not None and not seq.is_finished:
+            self._advance_grammar(seq, update.new_token_ids)
+
     def _process(self, updates: list[SeqUpdate],
                  logprobs: Mapping[str, Sequence[object | None]]) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {}
@@ -371,14 +405,14 @@ class LLMEngine:
             state = self._requests.get(seq.group_id)
             if state is None:
                 continue
-            stop = state.on_tokens(seq, update.new_token_ids, logprobs.get(seq.request_id))
-            if stop is not None:
-                text, kept = stop
-                dropped = len(update.new_token_ids) - kept
-                self.scheduler.finish_request(seq.request_id, FinishReason.STOP, text,
-                                              seq.num_output_tokens - dropped)
-            elif seq.grammar is not None and not seq.is_finished:
-                self._advance_grammar(seq, update.new_token_ids)
+            try:
+                self._take_tokens(seq, state, update, logprobs)
+            except Exception as e:  # this request's text or grammar broke: fail it alone
+                logger.exception("processing the output of %s failed", seq.request_id)
+                self._fail(seq.group_id, f"processing its output failed: "
+                           f"{type(e).__name__}: {e}")
+                touched.pop(state.request_id, None)
+                continue
             touched[state.request_id] = state
         outputs = []
         for request_id, state in touched.items():

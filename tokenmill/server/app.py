@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
 import signal
 import time
+import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -20,10 +23,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.params import SamplingParams
 from tokenmill.request import PromptError, check_vocabulary
+from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.openapi import install_openapi
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeRequest)
+                                       DetokenizeRequest, FieldError, TokenizeRequest)
+from tokenmill.server.responses import add_responses_routes
 from tokenmill.server.serving import OpenAIServing
 
 logger = logging.getLogger("tokenmill.server")
@@ -38,6 +45,15 @@ class ServerSettings:
     max_queued_requests: int | None = None
     shutdown_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
     tool_call_parser: str = "hermes"  # the model family's tool-call syntax (tool_parsers.py)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    public_metrics: bool = False  # /metrics without the API key (for a scraper without one)
+    step_timeout: float = 60.0  # a step running longer turns /health into 503
+
+
+# Routes anyone may call when an API key is set: liveness and what the server is, nothing about
+# its state or its model's output.
+_PUBLIC_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/redoc",
+                           "/docs/oauth2-redirect"})
 
 
 def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -46,33 +62,40 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(engine, settings.max_queued_requests, listener=metrics)
     metrics.attach(async_engine)
     serving = OpenAIServing(async_engine, settings.model_name, metrics,
-                            settings.tool_call_parser)
+                            settings.tool_call_parser, settings.limits)
+    watchdog = _Watchdog(async_engine, settings.step_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        watch = asyncio.create_task(watchdog.run())
         info = engine.info
         logger.info("tokenmill %s serving %s at http://%s:%d (KV cache %d tokens, "
                     "max_model_len %d, %s: %s, attention %s)", tokenmill.__version__,
                     settings.model_name, settings.host, settings.port, info.kv_cache_tokens,
                     info.max_model_len, info.dtype, info.dtype_reason, info.attention_backend)
         yield
-        logger.info("shutting down: finishing running requests (up to %.0fs)",
-                    settings.shutdown_timeout)
+        watch.cancel()
         await async_engine.shutdown(settings.shutdown_timeout)
+        serving.close()
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     app.state.engine = async_engine
     app.state.serving = serving
+    app.state.settings = settings
     _install_error_handlers(app)
+    app.add_middleware(_BodyLimit, max_bytes=settings.limits.max_body_bytes)
     if settings.api_key:
-        app.add_middleware(_BearerAuth, api_key=settings.api_key)
-    _add_routes(app, serving, metrics, settings)
+        public = _PUBLIC_PATHS | ({"/metrics"} if settings.public_metrics else set())
+        app.add_middleware(_BearerAuth, api_key=settings.api_key, public=public)
+    _add_routes(app, serving, metrics, settings, watchdog)
+    add_responses_routes(app, serving)
+    install_openapi(app)
     return app
 
 
 def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
-                settings: ServerSettings) -> None:
+                settings: ServerSettings, watchdog: _Watchdog) -> None:
     engine = serving.engine
 
     @app.post("/v1/completions")
@@ -83,16 +106,31 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
+    created = int(time.time())
+
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": created,
+                "owned_by": "tokenmill", "root": settings.model_name,
+                "max_model_len": serving.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": settings.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "tokenmill", "root": settings.model_name,
-            "max_model_len": serving.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)
+        return model_card()
 
     @app.get("/health")
-    async def health():
-        return Response(status_code=200 if engine.is_alive else 503)
+    async def health(generate: bool = False):
+        """200 while the engine loop lives and no step overran ``--step-timeout``; with
+        ``generate=true`` only once a one-token generation came back too."""
+        if not (engine.is_alive and watchdog.healthy):
+            return Response(status_code=503)
+        if generate and not await _generate_one_token(engine, settings.step_timeout):
+            return Response(status_code=503)
+        return Response(status_code=200)
 
     @app.get("/version")
     async def version():
@@ -110,9 +148,11 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = serving.chat_prompt(req.messages, req.add_generation_prompt).ids
+            ids = (await serving.chat_prompt(req.messages, req.add_generation_prompt)).ids
         else:
-            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            serving.check_prompt_chars(len(req.prompt), "prompt")
+            ids = await serving.off_loop(serving.tokenizer.encode, req.prompt,
+                                         req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
 
     @app.post("/detokenize")
@@ -173,6 +213,9 @@ def _validation_api_error(e: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg', '')}", param=None,
                         code="invalid_json")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):  # our own checks name the field themselves
+        return APIError(400, str(cause), param=cause.param, code="invalid_value")
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     # Union types report the branch tried ("prompt.str"); the field is the first element.
     param = loc[0] if loc else None
@@ -184,16 +227,20 @@ def _validation_api_error(e: RequestValidationError) -> APIError:
 
 
 class _BearerAuth:
-    """Pure ASGI middleware: every ``/v1/*`` route needs ``Authorization: Bearer <key>``."""
+    """Pure ASGI middleware: every route but the ``public`` ones needs ``Authorization: Bearer
+    <key>`` (compared in constant time)."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, public: frozenset[str]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+        self.public = public
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in self.public:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, key = given.partition(b" ")
+            if not (hmac.compare_digest(key.strip(), self.expected)
+                    and scheme.lower() == b"bearer"):
                 err = APIError(401, "Incorrect or missing API key: send Authorization: Bearer "
                                "<key>", "authentication_error", None, "invalid_api_key")
                 await _error_response(err)(scope, receive, send)
@@ -201,22 +248,133 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+class _BodyLimit:
+    """Pure ASGI middleware: a body over ``max_bytes`` is answered 413 as soon as its declared
+    length says so, without reading it; a body without a length (chunked) is read up to the
+    limit first."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:  # the HTTP server delivers no more than it declares
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks, size, message = [], 0, {"more_body": True}
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        err = APIError(413, f"the request body is larger than this server takes "
+                       f"({self.max_bytes} bytes, --max-request-bytes)", param=None,
+                       code="request_too_large")
+        await _error_response(err)(scope, receive, send)
+
+
+class _Watchdog:
+    """Watches the engine loop: a step running longer than ``step_timeout`` s (a hung kernel,
+    a stuck lock) makes /health answer 503 until it ends; a loop that died is logged once."""
+
+    def __init__(self, engine: AsyncEngine, step_timeout: float):
+        self.engine = engine
+        self.step_timeout = step_timeout
+        self.healthy = True
+
+    async def run(self) -> None:
+        reported_dead = False
+        while True:
+            await asyncio.sleep(min(1.0, self.step_timeout / 4))
+            running = self.engine.step_seconds
+            stalled = running > self.step_timeout
+            if stalled and self.healthy:
+                logger.error("watchdog: an engine step has run for %.0fs (--step-timeout "
+                             "%.0fs); /health answers 503 until it ends", running,
+                             self.step_timeout)
+            elif not stalled and not self.healthy:
+                logger.warning("watchdog: the engine step ended; healthy again")
+            self.healthy = not stalled
+            if not self.engine.is_alive and not reported_dead:
+                logger.error("watchdog: the engine loop is not running; /health answers 503")
+                reported_dead = True
+
+
+async def _generate_one_token(engine: AsyncEngine, timeout: float) -> bool:
+    """A one-token generation through the whole engine (the health probe's ``generate``)."""
+    token = engine.tokenizer.bos_token_id
+    prompt = [token if token is not None else 0]
+    try:
+        stream = await engine.add_request(f"health-{uuid.uuid4().hex}", prompt,
+                                          SamplingParams(max_tokens=1, temperature=0.0))
+    except Exception:  # overloaded or stopping: not able to generate now
+        return False
+    try:
+        async with asyncio.timeout(timeout):
+            async for out in stream:
+                if out.finished:
+                    return len(out.outputs[0].token_ids) == 1
+    except Exception:
+        logger.warning("health probe: the one-token generation failed", exc_info=True)
+    finally:
+        stream.abort()
+    return False
+
+
 # ----- running ----------------------------------------------------------------------------------
 
 def run_server(engine, settings: ServerSettings, log_level: str = "info") -> int:
     """Serve until SIGINT/SIGTERM; running requests get ``shutdown_timeout`` s; returns 0."""
-    import uvicorn
-
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(engine, settings)
+    # The engine drains first (stop taking requests, let running ones finish, then end the
+    # rest with an error each client is told); uvicorn's own wait for connections only needs
+    # to cover the last bytes of those responses.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
-                            timeout_graceful_shutdown=int(settings.shutdown_timeout),
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout) + 5,
                             access_log=False)
-    server = uvicorn.Server(config)
+    server = _DrainingServer(config, app.state.engine, settings.shutdown_timeout)
     # uvicorn re-raises the signal that stopped it once it is done; a no-op handler makes a
     # graceful SIGTERM exit with status 0 instead of dying of the signal.
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
     return 0 if server.started else 1
 
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown first drains the engine while connections stay open."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_seconds: float):
+        super().__init__(config)
+        self.engine = engine
+        self.drain_seconds = drain_seconds
+
+    async def shutdown(self, sockets=None) -> None:
+        logger.info("shutting down: finishing running requests (up to %.0fs)",
+                    self.drain_seconds)
+        await self.engine.drain(self.drain_seconds)
+        await super().shutdown(sockets)

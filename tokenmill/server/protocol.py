@@ -1,14 +1,90 @@
-"""OpenAI request bodies as pydantic models (unknown fields ignored) and the error shape."""
+"""OpenAI request bodies as pydantic models and the error shape.
+
+Fields no API defines are ignored (as vLLM does); an OpenAI or vLLM field tokenmill does not
+implement is refused with a 400 naming it unless it carries a value that asks for nothing
+(``_UNSUPPORTED``). Every request is checked whole before its fields are read: no string may
+hold a lone UTF-16 surrogate (valid JSON, but not text) and no number may be infinite or NaN.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class FieldError(ValueError):
+    """A request field is unusable; ``param`` names it (the app's 400 says which)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_json_values(value: Any, path: str = "") -> None:
+    """Raise FieldError for the first string with a lone surrogate or non-finite float."""
+    stack = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                where = printable(where)
+                raise FieldError(_top(where), f"{where or 'body'}: invalid Unicode (a lone "
+                                 f"UTF-16 surrogate) in a string") from None
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                where = printable(where)
+                raise FieldError(_top(where), f"{where or 'body'}: numbers must be finite, "
+                                 f"got {v}")
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                key = k if isinstance(k, str) else str(k)
+                stack.append((f"{where}.{key}" if where else key, key))  # keys are text too
+                stack.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(v))
+
+
+def printable(text: str) -> str:
+    """``text`` with lone surrogates escaped, safe to put in a UTF-8 response."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _top(where: str) -> str:
+    return where.split(".", 1)[0].split("[", 1)[0]
+
+
+# Fields of OpenAI's or vLLM's API that tokenmill does not implement, with the values that ask
+# for nothing (absent, null, the default). Any other value is a 400 naming the field.
+_OFF = (None, False)
+_UNSUPPORTED: dict[str, tuple] = {
+    # OpenAI
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "functions": (None,), "function_call": (None, "none"), "web_search_options": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "store": _OFF,
+    "service_tier": (None, "auto", "default"),
+    # vLLM
+    "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF, "documents": (None,),
+    "mm_processor_kwargs": (None,), "continue_final_message": _OFF, "vllm_xargs": (None,),
+    "kv_transfer_params": (None,), "spaces_between_special_tokens": (None, True),
+    "logits_processors": (None, []), "add_special_tokens": (None, False),
+}
+_UNSUPPORTED_COMPLETIONS = {"add_special_tokens"}  # completions implement it (default true)
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_values(cls, data: Any) -> Any:
+        check_json_values(data)
+        return data
 
 
 class StreamOptions(_Request):
@@ -17,6 +93,18 @@ class StreamOptions(_Request):
 
 class _SamplingFields(_Request):
     """The OpenAI sampling fields plus the extras users send to vLLM."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, harmless in _UNSUPPORTED.items():
+                if name in data and data[name] not in harmless and name not in cls.implemented:
+                    raise FieldError(name, f"{name}: not supported by tokenmill (got "
+                                     f"{printable(str(data[name])[:100])})")
+        return data
+
+    implemented: ClassVar[frozenset[str]] = frozenset()  # _UNSUPPORTED names this one has
 
     model: str | None = None
     n: int = 1
@@ -56,6 +144,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    implemented: ClassVar[frozenset[str]] = frozenset(_UNSUPPORTED_COMPLETIONS)
 
 
 class ChatMessage(_Request):
@@ -73,7 +165,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # a whole template: only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    best_of: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
     parallel_tool_calls: bool = True

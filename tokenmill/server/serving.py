@@ -8,22 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any
+from functools import lru_cache, partial
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
-                                           EngineUnavailableError, RequestStream)
+                                           EngineUnavailableError, RequestFailedError,
+                                           RequestStream)
 from tokenmill.params import SamplingParams
 from tokenmill.request import PromptError, RequestOutput
+from tokenmill.server.limits import RequestLimits
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatMessage,
-                                       CompletionRequest, _SamplingFields)
+                                       CompletionRequest, _SamplingFields, printable)
+from tokenmill.server.template_process import IsolatedRenderer
 from tokenmill.structured.spec import ConstraintError, StructuredOutputs, from_request
 from tokenmill.structured.tool_parsers import ToolCallParser, ToolCallStreamer, get_tool_parser
 from tokenmill.structured.tool_prompt import (ToolsError, check_tools, prepare_tool_messages,
@@ -32,6 +37,8 @@ from tokenmill.structured.tools import check_tool_choice, tool_choice_constraint
 from tokenmill.tokenizer import ChatTemplateError
 
 _PARAM_FIELDS = set(SamplingParams.__dataclass_fields__)
+_T = TypeVar("_T")
+logger = logging.getLogger("tokenmill.server")
 
 
 @dataclass
@@ -44,7 +51,7 @@ class OpenAIServing:
     """Shared state of the endpoints: the engine, its tokenizer, the served name, metrics."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, metrics,
-                 tool_call_parser: str = "hermes"):
+                 tool_call_parser: str = "hermes", limits: RequestLimits | None = None):
         self.engine = engine
         self.tool_parser = get_tool_parser(tool_call_parser)
         self.model_name = model_name
@@ -53,7 +60,25 @@ class OpenAIServing:
         self.max_model_len = engine.info.max_model_len
         self.kv_cache_tokens = engine.info.kv_cache_tokens
         self.vocab_size = engine.info.vocab_size
+        self.limits = (limits or RequestLimits()).resolve(
+            self.max_model_len, self.tokenizer.longest_token_chars, self.kv_cache_tokens)
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+        # Tokenizing and template rendering run here, off the event loop (the tokenizer lets
+        # go of the GIL for long texts), so /health answers while a huge prompt is encoded.
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenmill-tokenize")
+        self._request_templates = IsolatedRenderer(self.limits.chat_template_timeout,
+                                                   self.limits.max_prompt_chars) \
+            if self.limits.trust_request_chat_template else None
+
+    async def off_loop(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """``fn(*args, **kwargs)`` in the tokenizer pool."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._request_templates is not None:
+            self._request_templates.close()
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -67,7 +92,12 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
-        prompts = self._completion_prompts(req.prompt)
+        _check_best_of(req)
+        items = _completion_items(req.prompt)
+        self._check_request(req, len(items), req.logprobs, "logprobs")
+        if req.suffix is not None:
+            items = [self._infill(p, req.suffix) for p in items]
+        prompts = [await self.prompt(p, "prompt", req.add_special_tokens) for p in items]
         logprobs = req.logprobs
         params = self._params(req, req.max_tokens, logprobs, prompts, structured=_constraint(req))
         await self._compile(params)
@@ -80,30 +110,49 @@ class OpenAIServing:
         finals = await _collect(streams, raw)
         return JSONResponse(out.response(finals))
 
-    def _completion_prompts(self, prompt: Any) -> list[_Prompt]:
-        if isinstance(prompt, str):
-            items: list = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        if not items:
-            raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
-        return [self._prompt(p, "prompt") for p in items]
+    def _infill(self, prompt: str | list[int], suffix: str) -> str:
+        """A fill-in-the-middle prompt (prefix, suffix, then the middle to generate) in the
+        model's own FIM tokens; a model without them cannot take ``suffix``."""
+        tokens = self.tokenizer.fim_tokens
+        if tokens is None:
+            raise APIError(400, "suffix: this model's tokenizer has no fill-in-the-middle "
+                           "tokens, so it cannot complete between a prompt and a suffix",
+                           param="suffix", code="invalid_value")
+        if not isinstance(prompt, str):
+            raise APIError(400, "suffix needs a text prompt", param="suffix",
+                           code="invalid_value")
+        prefix_token, suffix_token, middle_token = tokens
+        return f"{prefix_token}{prompt}{suffix_token}{suffix}{middle_token}"
 
-    def _prompt(self, prompt: str | list[int], param: str) -> _Prompt:
+    async def prompt(self, prompt: str | list[int], param: str,
+                     add_special_tokens: bool = True) -> _Prompt:
+        """A text or token-id prompt, tokenized off the event loop once its length is known
+        to fit."""
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        if text is not None:
+            self.check_prompt_chars(len(text), param)
+            ids = await self.off_loop(self.tokenizer.encode, text, add_special_tokens)
+        else:
+            ids = list(prompt)
         try:
             self.engine.check_prompt(ids, param)
         except PromptError as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from None
         return _Prompt(text, ids)
 
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        limit = self.limits.max_prompt_chars
+        if num_chars > limit:
+            raise APIError(400, f"{param}: {num_chars} characters is more than this server "
+                           f"takes ({limit}, --max-prompt-chars)", param=param,
+                           code="context_length_exceeded")
+
     # ----- /v1/chat/completions -------------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
+        _check_best_of(req)
+        self._check_request(req, 1, req.top_logprobs, "top_logprobs")
         tools = _check_tools(req.tools)
         try:
             tool_mode = check_tool_choice(tools, req.tool_choice)
@@ -119,9 +168,11 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None
         await self._check_tool_schemas(tools)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt,
-                                  req.chat_template_kwargs,
-                                  tools if tool_mode != "none" else None)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.chat_template is not None:
+            kwargs["chat_template"] = req.chat_template
+        prompt = await self.chat_prompt(req.messages, req.add_generation_prompt, kwargs,
+                                        tools if tool_mode != "none" else None)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs",
                            code="invalid_value")
@@ -139,25 +190,43 @@ class OpenAIServing:
         finals = await _collect(streams, raw)
         return JSONResponse(out.response(finals[0]))
 
-    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
-                    kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> _Prompt:
+    async def chat_prompt(self, messages: Sequence[ChatMessage],
+                          add_generation_prompt: bool = True,
+                          kwargs: dict[str, Any] | None = None,
+                          tools: list[dict[str, Any]] | None = None) -> _Prompt:
         """Token ids of a conversation. A template that knows tools renders them (and calls in
         the history) itself; for one that does not, the tools go into the system prompt and
-        calls and results become text in the model family's format."""
+        calls and results become text in the model family's format.
+
+        ``kwargs["chat_template"]`` may name one of the model's templates; a whole template
+        sent by the client is refused unless the operator trusts them, and then renders in a
+        separate process under a time and memory bound."""
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+        self.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+        kwargs = dict(kwargs or {})
+        template = kwargs.get("chat_template")
+        renderer = None
+        if template is not None and template not in self.tokenizer.chat_templates:
+            if self._request_templates is None:
+                raise APIError(400, "chat_template: this server does not render chat templates "
+                               "sent in requests (start it with --trust-request-chat-template "
+                               "to allow them); name one of the model's templates: "
+                               f"{sorted(self.tokenizer.chat_templates)}",
+                               param="chat_template", code="invalid_value")
+            renderer = self._request_templates.render
         try:
-            kwargs = dict(kwargs or {})
-            native = template_handles_tools(
-                self.tokenizer.template_source(tools, kwargs.get("chat_template")))
+            native = template_handles_tools(self.tokenizer.template_source(tools, template))
             conversation = prepare_tool_messages(conversation, tools, self.tool_parser, native)
             if native and tools:
                 kwargs["tools"] = tools
-            ids = self.tokenizer.encode_chat(conversation, add_generation_prompt, **kwargs)
+            ids = await self.off_loop(self.tokenizer.encode_chat, conversation,
+                                      add_generation_prompt, renderer=renderer,
+                                      max_chars=self.limits.max_prompt_chars, **kwargs)
         except (ChatTemplateError, TypeError, ValueError) as e:
-            raise APIError(400, f"the chat template failed: {e}", param="messages",
+            param = "chat_template" if template is not None else "messages"
+            raise APIError(400, f"the chat template failed: {printable(str(e))}", param=param,
                            code="invalid_value") from None
-        return self._prompt(ids, "messages")
+        return await self.prompt(ids, "messages")
 
     async def _check_tool_schemas(self, tools: list[dict[str, Any]] | None) -> None:
         """Every offered function's parameters must compile as a JSON schema (auto calls are
@@ -185,12 +254,63 @@ class OpenAIServing:
 
     # ----- shared -----------------------------------------------------------------------------
 
+    def _check_request(self, req: _SamplingFields, num_prompts: int, logprobs: int | None,
+                       logprobs_param: str) -> None:
+        """The limits a request's fields must keep, before anything is tokenized."""
+        lim = self.limits
+        if req.n > lim.max_n:
+            raise APIError(400, f"n: at most {lim.max_n} choices per request (--max-n), got "
+                           f"{req.n}", param="n", code="invalid_value")
+        param = "max_tokens"
+        max_tokens = req.max_tokens
+        if getattr(req, "max_completion_tokens", None) is not None:
+            param, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        if isinstance(max_tokens, int) and max_tokens > 0 \
+                and num_prompts * req.n * max_tokens > lim.max_request_tokens:
+            raise APIError(400, f"{param}: {num_prompts} prompt(s) x n={req.n} x "
+                           f"{max_tokens} tokens asks for more than the "
+                           f"{lim.max_request_tokens} tokens one request may generate "
+                           f"(--max-request-tokens)", param=param, code="invalid_value")
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stops) > lim.max_stop or any(len(x) > lim.max_stop_chars for x in stops):
+            raise APIError(400, f"stop: at most {lim.max_stop} stop strings of at most "
+                           f"{lim.max_stop_chars} characters (--max-stop, --max-stop-chars)",
+                           param="stop", code="invalid_value")
+        stop_ids = req.stop_token_ids or []
+        if len(stop_ids) > 4 * lim.max_stop or any(not 0 <= i < self.vocab_size
+                                                    for i in stop_ids):
+            raise APIError(400, f"stop_token_ids: at most {4 * lim.max_stop} token ids in "
+                           f"[0, {self.vocab_size})", param="stop_token_ids",
+                           code="invalid_value")
+        self._check_logit_bias(req.logit_bias)
+        if logprobs is not None and logprobs > lim.max_logprobs:
+            raise APIError(400, f"{logprobs_param}: at most {lim.max_logprobs} (--max-logprobs),"
+                           f" got {logprobs}", param=logprobs_param, code="invalid_value")
+
+    def _check_logit_bias(self, bias: dict[str, float] | None) -> None:
+        if not bias:
+            return
+        if len(bias) > self.limits.max_logit_bias:
+            raise APIError(400, f"logit_bias: at most {self.limits.max_logit_bias} entries "
+                           f"(--max-logit-bias), got {len(bias)}", param="logit_bias",
+                           code="invalid_value")
+        for key in bias:
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"logit_bias: keys must be token ids in [0, "
+                               f"{self.vocab_size}), got {printable(key)[:40]!r}",
+                               param="logit_bias", code="invalid_value")
+
     def _params(self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                 prompts: list[_Prompt], max_tokens_param: str = "max_tokens",
                 structured: StructuredOutputs | None = None) -> SamplingParams:
         longest = max(len(p.ids) for p in prompts)
         if max_tokens is None:  # until the context (or what the KV cache can hold) ends
-            max_tokens = max(1, min(self.max_model_len, self.kv_cache_tokens) - longest)
+            max_tokens = max(1, min(min(self.max_model_len, self.kv_cache_tokens) - longest,
+                                    self.limits.max_request_tokens // (len(prompts) * req.n)))
         elif isinstance(max_tokens, int) and max_tokens >= 1 \
                 and longest + max_tokens > self.max_model_len:
             raise APIError(400, f"{max_tokens_param}={max_tokens} plus the prompt's {longest} "
@@ -223,12 +343,39 @@ class OpenAIServing:
                 raise APIError(503, str(e), "overloaded_error", None, "overloaded",
                                {"Retry-After": str(e.retry_after)}) from None
             if isinstance(e, EngineUnavailableError):
-                raise APIError(503, str(e), "server_error", None, "unavailable",
-                               {"Retry-After": "5"}) from None
+                raise engine_error(e) from None
             if isinstance(e, ValueError):
                 raise APIError(400, str(e), param="prompt", code="invalid_value") from None
             raise
         return streams
+
+
+def _completion_items(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    return items
+
+
+def _check_best_of(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """``best_of`` samples that many and returns the ``n`` most likely; tokenmill returns
+    every choice it samples, so only best_of == n means what it asks."""
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, f"best_of: only best_of == n is supported (got best_of="
+                       f"{req.best_of}, n={req.n}); ask for n choices instead",
+                       param="best_of", code="invalid_value")
+
+
+def engine_error(e: EngineUnavailableError | RequestFailedError) -> APIError:
+    """The API error of an engine that stopped or of a request the engine failed."""
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), "server_error", None, "request_failed")
+    return APIError(503, str(e), "server_error", None, "unavailable", {"Retry-After": "5"})
 
 
 def _constraint(req: _SamplingFields) -> StructuredOutputs | None:
@@ -329,27 +476,34 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 async def _collect(streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
-    """Final outputs of all streams; a client that disconnects aborts them at once."""
+    """Final outputs of all streams; a client that disconnects aborts them at once (the
+    engine logs one line per aborted request; nothing else is said)."""
     async def last(stream: RequestStream) -> RequestOutput:
         out = None
         async for out in stream:
             pass
         return out
 
-    task = asyncio.gather(*(last(s) for s in streams))
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
+            await asyncio.wait(tasks, timeout=0.25, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t for t in tasks if t.done() and t.exception()), None)
+            if failed is not None:
+                raise failed.exception()
+            if all(t.done() for t in tasks):
+                return [t.result() for t in tasks]
             if await raw.is_disconnected():
                 raise APIError(499, "the client disconnected", code="client_disconnected")
-    except EngineUnavailableError as e:
-        raise APIError(503, str(e), "server_error", None, "unavailable") from None
+    except (EngineUnavailableError, RequestFailedError) as e:
+        raise engine_error(e) from None
     finally:
-        task.cancel()
+        for t in tasks:
+            t.cancel()
         for s in streams:
             s.abort()
+        # Retrieve what the cancelled tasks ended with, so asyncio has nothing to report.
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _AbortingStreamingResponse(StreamingResponse):
@@ -373,8 +527,8 @@ def _sse(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> Streaming
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        except (EngineUnavailableError, APIError) as e:
-            err = e if isinstance(e, APIError) else APIError(503, str(e), "server_error")
+        except (EngineUnavailableError, RequestFailedError, APIError) as e:
+            err = e if isinstance(e, APIError) else engine_error(e)
             yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -63,9 +63,35 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# The sandbox keeps a template from reaching Python's internals, not from asking for a string of
+# 10^10 characters or a number of 10^9 digits. Templates repeat a separator or indent a few
+# times; nothing real comes near these bounds.
+MAX_REPEAT_ITEMS = 1 << 20
+MAX_POWER_BITS = 1 << 16
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with ``*`` and ``**`` bounded. Intercepting them also keeps jinja
+    from evaluating constant expressions while it compiles (or scans) a template."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
+                        and len(seq) * times > MAX_REPEAT_ITEMS:
+                    raise jinja2.exceptions.SecurityError(
+                        f"the template repeats a sequence to more than {MAX_REPEAT_ITEMS} items")
+        elif isinstance(left, int) and isinstance(right, int) and right > 0 \
+                and abs(left) > 1 and right * max(abs(left).bit_length(), 1) > MAX_POWER_BITS:
+            raise jinja2.exceptions.SecurityError("the template computes a power too large")
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                          extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -112,8 +138,9 @@ def select_template(templates: Mapping[str, str], tools: Sequence[Any] | None,
 
 def render_chat(source: str, messages: Sequence[Mapping[str, Any]], *,
                 add_generation_prompt: bool, tools: Sequence[Any] | None,
-                variables: Mapping[str, Any]) -> str:
-    """Render one conversation; every template failure becomes a ChatTemplateError."""
+                variables: Mapping[str, Any], max_chars: int | None = None) -> str:
+    """Render one conversation; every template failure becomes a ChatTemplateError, and so does
+    an output longer than ``max_chars`` (checked as the template writes it)."""
     if not messages:
         raise ChatTemplateError("cannot apply a chat template to an empty conversation")
     # OpenAI clients send e.g. content=None; templates handle a missing key but print "None".
@@ -124,9 +151,24 @@ def render_chat(source: str, messages: Sequence[Mapping[str, Any]], *,
                "tools": list(tools) if tools is not None else None,
                "add_generation_prompt": add_generation_prompt}
     try:
-        return template.render(**context)
+        if max_chars is None:
+            return template.render(**context)
+        pieces, total = [], 0
+        for piece in template.generate(**context):
+            total += len(piece)
+            if total > max_chars:
+                raise ChatTemplateError(f"the chat template wrote more than {max_chars} "
+                                        f"characters")
+            pieces.append(piece)
+        return "".join(pieces)
+    except ChatTemplateError:
+        raise
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
-    except (TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:
+    except RecursionError as exc:
+        raise ChatTemplateError("chat template failed: it recursed too deeply") from exc
+    except MemoryError as exc:
+        raise ChatTemplateError("chat template failed: it ran out of memory") from exc
+    except Exception as exc:  # a template is code: whatever it raises fails this render only
         raise ChatTemplateError(f"chat template failed on these messages: "
                                 f"{type(exc).__name__}: {exc}") from exc

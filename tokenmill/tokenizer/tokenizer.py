@@ -8,7 +8,8 @@ Built from a GGUF file's metadata (``from_gguf``) or a Hugging Face directory (`
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,15 @@ from tokenmill.tokenizer.chat_template import (DEFAULT_TEMPLATE_NAME, render_cha
                                                select_template)
 from tokenmill.tokenizer.gguf_meta import read_gguf_metadata
 from tokenmill.tokenizer.gguf_vocab import GGUFVocab, build_backend
+
+# Longer texts are encoded through the batch call, which lets go of the GIL while it works (the
+# single-text call holds it: a 500k-character prompt would stall every other thread for a second).
+_GIL_FREE_CHARS = 4096
+
+# Fill-in-the-middle tokens (prefix, suffix, middle) as StarCoder-style and Qwen-style vocabularies
+# spell them.
+_FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+               ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
 
 # Token texts llama.cpp treats as end-of-generation whatever the file's eos id says, so a chat
 # model that ends a turn with e.g. <|im_end|> or <|eot_id|> stops there.
@@ -102,8 +112,22 @@ class Tokenizer:
             return next(iter(self.chat_templates.values()))
         return self.chat_templates.get(DEFAULT_TEMPLATE_NAME)
 
+    @cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry: n tokens never hold more text than n
+        times this (byte-level entries spell one character per byte)."""
+        return max((len(t) for t in self.get_vocab()), default=1)
+
+    @cached_property
+    def fim_tokens(self) -> tuple[str, str, str] | None:
+        """(prefix, suffix, middle) fill-in-the-middle tokens, if the vocabulary has them."""
+        vocab = self.get_vocab()
+        return next((names for names in _FIM_TOKENS if all(n in vocab for n in names)), None)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings in it map to their ids."""
+        if len(text) > _GIL_FREE_CHARS:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -121,16 +145,21 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
+                            chat_template: str | None = None, *,
+                            renderer: Callable[..., str] | None = None,
+                            max_chars: int | None = None, **kwargs: Any) -> str:
         """Render ``messages`` into a prompt string (not tokenized) the way transformers does.
 
         ``chat_template`` is a template name or a full template source; extra keyword arguments
-        become template variables (e.g. ``enable_thinking=False``).
+        become template variables (e.g. ``enable_thinking=False``). ``renderer`` replaces
+        ``render_chat`` (same arguments; e.g. one that runs in another process); a rendering
+        longer than ``max_chars`` fails.
         """
         source = self.template_source(tools, chat_template)
         variables = {**self._special_token_variables(), **kwargs}
-        return render_chat(source, messages, add_generation_prompt=add_generation_prompt,
-                           tools=tools, variables=variables)
+        return (renderer or render_chat)(source, messages,
+                                         add_generation_prompt=add_generation_prompt,
+                                         tools=tools, variables=variables, max_chars=max_chars)
 
     def template_source(self, tools: Sequence[Any] | None = None,
                         chat_template: str | None = None) -> str:

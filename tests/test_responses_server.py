@@ -1,0 +1,258 @@
+"""The Responses API (``/v1/responses``) through a real ``tokenmill serve``: the official
+``openai`` client, raw HTTP checked against the SDK's own types, and an ``openai-agents`` Agent.
+
+The server runs in float32, where reusing a cached prefix never changes a greedy token, so a
+streamed and a non-streamed request must agree exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field, TypeAdapter
+
+from tests.test_server_support import MODEL, server_fixtures
+
+pytestmark = pytest.mark.slow
+
+server, client = server_fixtures("--dtype", "float32")
+
+ASK = [{"role": "user", "content": "Name three colors."}]
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object",
+                          "properties": {"city": {"type": "string", "maxLength": 30},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"]},
+           "strict": True}
+EVENT = TypeAdapter(ResponseStreamEvent)
+
+
+def post(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=120)
+
+
+def stream_events(server, body: dict) -> list:
+    """Every SSE event of a streamed response, validated as the SDK's event types."""
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=120,
+                      json={"model": MODEL, "stream": True, **body}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                event = EVENT.validate_python(json.loads(line[len("data: "):]))
+                assert event.type == name
+                events.append(event)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+def num_tokens(server, messages: list[dict]) -> int:
+    return httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["count"]
+
+
+def test_streamed_and_not_give_the_same_response(server, client):
+    body = {"input": ASK, "instructions": "Answer in a few words.", "temperature": 0,
+            "max_output_tokens": 24, "metadata": {"run": "1"}}
+    raw = post(server, body)
+    assert raw.status_code == 200, raw.text
+    full = Response.model_validate(raw.json())
+    assert full.id.startswith("resp_") and full.status == "completed" and full.output_text
+    assert full.metadata == {"run": "1"} and full.instructions == "Answer in a few words."
+    [message] = full.output
+    assert (message.type, message.role, message.status) == ("message", "assistant", "completed")
+
+    events = stream_events(server, body)
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == full.output_text
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (
+        full.usage.input_tokens, full.usage.output_tokens)
+
+    with client.responses.stream(model=MODEL, **body) as stream:
+        helper = stream.get_final_response()
+    assert helper.output_text == full.output_text
+
+
+def test_usage_is_exact_and_previous_response_continues(server, client):
+    first = client.responses.create(model=MODEL, input="Name three colors.",
+                                    instructions="Be brief.", temperature=0,
+                                    max_output_tokens=16)
+    assert first.usage.input_tokens == num_tokens(server, [
+        {"role": "system", "content": "Be brief."}, *ASK])
+    assert first.usage.output_tokens > 0 and first.usage.total_tokens == (
+        first.usage.input_tokens + first.usage.output_tokens)
+    assert first.usage.output_tokens_details.reasoning_tokens == 0
+
+    # The stored input and output come first; the first response's instructions do not.
+    second = client.responses.create(model=MODEL, input="And three animals?",
+                                     previous_response_id=first.id, temperature=0,
+                                     max_output_tokens=8)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == num_tokens(server, [
+        *ASK, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And three animals?"}])
+
+    unstored = client.responses.create(model=MODEL, input="Hi", store=False,
+                                       max_output_tokens=2)
+    for unknown in (unstored.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.responses.create(model=MODEL, input="Hi", previous_response_id=unknown)
+        assert e.value.param == "previous_response_id"
+
+
+def test_max_output_tokens_makes_it_incomplete(server, client):
+    r = client.responses.create(model=MODEL, input=ASK, max_output_tokens=3, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+    events = stream_events(server, {"input": ASK, "max_output_tokens": 3, "temperature": 0})
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == r.output_text
+
+
+def test_logprobs_of_the_output_text(server, client):
+    r = client.responses.create(model=MODEL, input=ASK, max_output_tokens=4, temperature=0,
+                                include=["message.output_text.logprobs"], top_logprobs=2)
+    logprobs = r.output[0].content[0].logprobs
+    assert len(logprobs) == 4 and all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert "".join(lp.token for lp in logprobs) == r.output_text
+    assert all(lp.logprob <= lp.top_logprobs[0].logprob + 1e-4 for lp in logprobs)
+
+
+def test_forced_function_call_then_its_output(server, client):
+    ask = "What is the weather in Paris?"
+    kw = dict(model=MODEL, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+              temperature=0, max_output_tokens=60)
+    r = client.responses.create(input=ask, **kw)
+    [call] = r.output
+    assert (call.type, call.name, call.status, r.status) == (
+        "function_call", "get_weather", "completed", "completed")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    assert call.call_id.startswith("call_") and r.tools[0].name == "get_weather"
+
+    events = stream_events(server, {"input": ask, **{k: v for k, v in kw.items()
+                                                     if k != "model"}})
+    [streamed] = events[-1].response.output
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    assert "".join(e.delta for e in events
+                   if e.type == "response.function_call_arguments.delta") == call.arguments
+
+    # The result goes back as a function_call_output item, after the stored call.
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=r.id, tools=[WEATHER], temperature=0,
+        max_output_tokens=30, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                      "output": "22 degrees and sunny"}])
+    assert answer.output[0].type == "message" and answer.output_text
+    # The same conversation sent whole (as stateless clients do) is the same prompt.
+    whole = client.responses.create(
+        model=MODEL, tools=[WEATHER], temperature=0, max_output_tokens=30,
+        input=[{"role": "user", "content": ask},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id,
+                "output": "22 degrees and sunny"}])
+    assert whole.usage.input_tokens == answer.usage.input_tokens
+    assert whole.output_text == answer.output_text
+
+
+class City(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+
+
+def test_json_schema_text_format(client):
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 1,
+                                                         "maximum": 9}},
+              "required": ["color", "count"], "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="Pick a color and a count, as JSON.",
+                                temperature=0, max_output_tokens=40,
+                                text={"format": {"type": "json_schema", "name": "pick",
+                                                 "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
+    parsed = client.responses.parse(model=MODEL, input="Name a city.", text_format=City,
+                                    temperature=0, max_output_tokens=40)
+    assert isinstance(parsed.output_parsed, City)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"background": True}, "background"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0].type"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
+     "input[0].content"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+])
+def test_unsupported_fields_are_refused(client, body, param):
+    body = {"input": "Hi", **body}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, **body)
+    assert e.value.param == param, e.value.message
+
+
+def test_fields_asking_for_nothing_are_accepted(client):
+    r = client.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=2, background=False, store=True,
+        reasoning={"effort": None}, truncation="disabled", service_tier="auto",
+        include=["reasoning.encrypted_content"], prompt_cache_key="k", user="u",
+        parallel_tool_calls=True, tool_choice="auto", text={"format": {"type": "text"}})
+    assert r.status == "incomplete" and r.truncation == "disabled"
+
+
+def test_openai_agents_runner(server):
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
+
+    set_tracing_disabled(True)
+    model = OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="x", max_retries=0))
+    cities = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        cities.append(city)
+        return f"sunny in {city}"
+
+    plain = Agent(name="helper", instructions="Answer in one short sentence.", model=model,
+                  model_settings=ModelSettings(temperature=0, max_tokens=24))
+    # A forced call, then the tool's result is the answer (the run cannot loop on calls).
+    weather = Agent(name="weather", instructions="Use the tools.", model=model,
+                    tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                    model_settings=ModelSettings(temperature=0, tool_choice="required",
+                                                 parallel_tool_calls=False, max_tokens=60))
+
+    async def run():
+        answer = await Runner.run(plain, "What is the capital of France?")
+        streamed = Runner.run_streamed(plain, "What is the capital of France?")
+        async for _ in streamed.stream_events():
+            pass
+        called = await Runner.run(weather, "What is the weather in Paris?")
+        return answer, streamed, called
+
+    answer, streamed, called = asyncio.run(run())
+    assert isinstance(answer.final_output, str) and answer.final_output
+    assert streamed.final_output == answer.final_output
+    assert len(cities) == 1 and called.final_output == f"sunny in {cities[0]}"

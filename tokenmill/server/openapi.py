@@ -1,0 +1,384 @@
+"""The OpenAPI document as the server really answers: response models and statuses per route.
+
+FastAPI's generated document says every body-taking route answers 422 (the server renders
+validation errors as OpenAI-style 400s, see ``app._install_error_handlers``) and leaves every
+200 schema empty. ``install_openapi`` post-processes it from ``ROUTES``: each route lists the
+statuses it returns, errors carry the ``{"error": {...}}`` body, each 200 its response model.
+A schema-driven client (``tests/test_server_schema.py`` runs schemathesis) then meets no
+undocumented status and can validate every body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import models_json_schema
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
+
+from tokenmill.server.protocol import ErrorType
+
+_REF = "#/components/schemas/{model}"
+
+
+# ----- shared pieces ----------------------------------------------------------------------------
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(ge=0, description="prompt tokens that came from the prefix cache")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    prompt_tokens_details: PromptTokensDetails
+
+
+StopReason = int | str | None  # the stop token id or stop string that ended a choice
+FinishReason = Literal["stop", "length", "abort"]
+
+
+# ----- /v1/completions --------------------------------------------------------------------------
+
+class CompletionLogprobs(BaseModel):
+    """Per token: its text, logprob and top alternatives (echoed prompt tokens have none)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = Field(ge=0)
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: StopReason
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int = Field(ge=0)
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: StopReason
+
+
+class CompletionChunk(BaseModel):
+    """One event of a streamed completion; with include_usage the last has no choices and
+    the usage, the others ``usage: null``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+# ----- /v1/chat/completions ---------------------------------------------------------------------
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, encoded")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list,
+                                       description="present when the model called tools")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatChoice(BaseModel):
+    index: int = Field(ge=0)
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"]
+    stop_reason: StopReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class FunctionCallDelta(TypedDict, total=False):
+    name: str
+    arguments: str
+
+
+class ToolCallDelta(TypedDict, total=False):
+    """A call's first delta has its id, type and name; later ones add to its arguments."""
+
+    index: int
+    id: str
+    type: Literal["function"]
+    function: FunctionCallDelta
+
+
+class ChatDelta(TypedDict, total=False):
+    role: Literal["assistant"]
+    content: str
+    tool_calls: list[ToolCallDelta]
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = Field(ge=0)
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a streamed chat completion (the first carries the role)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ----- /v1/responses ----------------------------------------------------------------------------
+
+class ResponseObject(BaseModel):
+    """The Responses API object; only the fields every response has are spelled out."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["response"]
+    created_at: int | float
+    model: str
+    status: str
+    output: list[dict[str, Any]]
+
+
+# ----- the other routes -------------------------------------------------------------------------
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int = Field(ge=1)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Tokenized(BaseModel):
+    tokens: list[int]
+    count: int = Field(ge=0)
+    max_model_len: int = Field(ge=1)
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
+class FlushedCache(BaseModel):
+    flushed_blocks: int = Field(ge=0)
+
+
+class Version(BaseModel):
+    version: str
+
+
+class ServerInfo(BaseModel):
+    """How the engine runs (dtype and why, attention backend, CPU, sizes); fields may grow."""
+
+    model_config = ConfigDict(extra="allow")
+
+    version: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: ErrorType
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape, for every 4xx and 5xx."""
+
+    error: ErrorDetail
+
+
+MODELS: tuple[type[BaseModel], ...] = (
+    Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ResponseObject, ModelCard,
+    ModelList, Tokenized, Detokenized, FlushedCache, Version, ServerInfo, ErrorBody)
+
+
+# ----- the table --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MediaBody:
+    """A body that is not a JSON model: its media type and JSON schema."""
+
+    media_type: str
+    schema: dict[str, Any]
+
+
+Body = type[BaseModel] | MediaBody | None  # None: no body
+Statuses = dict[int, tuple[str, Body]]
+
+PROMETHEUS_TEXT = MediaBody("text/plain", {"type": "string"})
+
+_BAD = "invalid request (a malformed body, a value out of range, a prompt too long)"
+_AUTH = "missing or wrong API key (only when the server runs with one)"
+_NOT_FOUND = "unknown model"
+_TOO_LARGE = "request body too large"
+_UNAVAILABLE = "overloaded or shutting down; Retry-After says when to try again"
+
+
+def _generation(model: type[BaseModel], not_found: str = _NOT_FOUND) -> Statuses:
+    return {200: ("the object, or a stream of chunks with stream: true", model),
+            400: (_BAD, ErrorBody), 401: (_AUTH, ErrorBody), 404: (not_found, ErrorBody),
+            413: (_TOO_LARGE, ErrorBody), 503: (_UNAVAILABLE, ErrorBody)}
+
+
+ROUTES: dict[str, Statuses] = {
+    "/v1/completions": _generation(Completion),
+    "/v1/chat/completions": _generation(ChatCompletion),
+    "/v1/responses": _generation(ResponseObject, "unknown model or previous response"),
+    "/v1/models": {200: ("the served model", ModelList), 401: (_AUTH, ErrorBody)},
+    "/v1/models/{model_id}": {200: ("the model", ModelCard), 401: (_AUTH, ErrorBody),
+                              404: (_NOT_FOUND, ErrorBody)},
+    "/tokenize": {200: ("token ids of the prompt or conversation", Tokenized),
+                  400: (_BAD, ErrorBody), 401: (_AUTH, ErrorBody),
+                  404: (_NOT_FOUND, ErrorBody), 413: (_TOO_LARGE, ErrorBody)},
+    "/detokenize": {200: ("the text of the token ids", Detokenized), 400: (_BAD, ErrorBody),
+                    401: (_AUTH, ErrorBody), 404: (_NOT_FOUND, ErrorBody),
+                    413: (_TOO_LARGE, ErrorBody)},
+    "/flush_cache": {200: ("prefix-cache blocks freed", FlushedCache),
+                     400: ("requests are running", ErrorBody), 401: (_AUTH, ErrorBody)},
+    "/health": {200: ("the engine is alive (empty body)", None),
+                503: ("the engine loop died, or the health generation failed", None)},
+    "/version": {200: ("the tokenmill version", Version)},
+    "/server_info": {200: ("how the engine runs", ServerInfo), 401: (_AUTH, ErrorBody)},
+    "/metrics": {200: ("Prometheus text exposition", PROMETHEUS_TEXT),
+                 401: (_AUTH, ErrorBody)},
+}
+# Routes that stream with ``stream: true``, and the JSON model of their events' data (None: not
+# spelled out).
+STREAMING: dict[str, type[BaseModel] | None] = {
+    "/v1/completions": CompletionChunk, "/v1/chat/completions": ChatCompletionChunk,
+    "/v1/responses": None}
+
+
+# ----- building the document --------------------------------------------------------------------
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve ``ROUTES``' document at /openapi.json (built once, on first use)."""
+    generate = app.openapi  # FastAPI's own
+    built: dict[str, Any] = {}
+
+    def openapi() -> dict[str, Any]:
+        if not built:
+            built.update(document(generate()))
+        return built
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def document(schema: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's document with ``ROUTES``' statuses and bodies; routes missing from ``ROUTES``
+    only lose the 422 they never return (validation errors are 400s)."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    _, defs = models_json_schema([(m, "serialization") for m in MODELS], ref_template=_REF)
+    for name, model_schema in defs["$defs"].items():
+        if components.get(name, model_schema) != model_schema:
+            raise ValueError(f"two OpenAPI schemas are named {name!r}: rename one")
+        components[name] = model_schema
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    for path, item in schema.get("paths", {}).items():
+        for operation in item.values():
+            operation["responses"] = _responses(path, operation.get("responses", {}))
+    return schema
+
+
+def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
+    statuses = ROUTES.get(path)
+    if statuses is None:
+        out = {k: v for k, v in generated.items() if k != "422"}
+        if "422" in generated:
+            out["400"] = _response(_BAD, ErrorBody)
+        return out
+    out = {str(status): _response(desc, body) for status, (desc, body) in statuses.items()}
+    if path in STREAMING:
+        out["200"]["content"]["text/event-stream"] = {"schema": _sse_event(STREAMING[path])}
+    if "503" in out and statuses[503][1] is ErrorBody:
+        out["503"]["headers"] = {"Retry-After": {
+            "description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
+    return out
+
+
+def _response(description: str, body: Body) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description}
+    if isinstance(body, MediaBody):
+        out["content"] = {body.media_type: {"schema": body.schema}}
+    elif body is not None:
+        out["content"] = {"application/json": {"schema": _ref(body)}}
+    return out
+
+
+def _sse_event(chunk: type[BaseModel] | None) -> dict[str, Any]:
+    """The schema of one server-sent event, as OpenAPI 3.2's ``itemSchema`` (and schemathesis,
+    for earlier versions) reads a text/event-stream schema: each ``data`` is a JSON chunk, an
+    error body if generation failed midway, and the last is ``[DONE]``."""
+    data: dict[str, Any] = {"type": "string"}
+    if chunk is not None:
+        data = {"anyOf": [{"const": "[DONE]"}, {
+            "type": "string", "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorBody)]}}]}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": data, "event": {"type": "string"}},
+            "description": "one server-sent event (stream: true)"}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
