@@ -25,12 +25,13 @@ def close_in_dtype(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_torch(dtype, with_residual):
+@pytest.mark.parametrize("shape", [(33, 576), (33, 9, 64)])  # rows, or per head (Qwen3's q/k)
+def test_rms_norm_matches_torch(dtype, with_residual, shape):
     g = torch.Generator().manual_seed(1)
-    norm = RMSNorm(576, 1e-5)
-    norm.weight.data = (torch.rand(576, generator=g) + 0.5).to(dtype)
-    x = (torch.randn(33, 576, generator=g) * 3).to(dtype)
-    res = torch.randn(33, 576, generator=g).to(dtype) if with_residual else None
+    norm = RMSNorm(shape[-1], 1e-5)
+    norm.weight.data = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    res = torch.randn(*shape, generator=g).to(dtype) if with_residual else None
     want = norm(x, res)
     norm.cpu_ops = ops
     got = norm(x, res)

@@ -250,6 +250,64 @@ def test_abort_while_tokens_are_pending() -> None:
     check_clean(engine)
 
 
+def run_collecting_failures(engine: LLMEngine) -> tuple[dict, dict]:
+    finished, failures = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        failures.update(engine.take_failures())
+    return finished, failures
+
+
+def test_a_request_whose_output_processing_fails_fails_alone(monkeypatch) -> None:
+    from tokenmill.engine.output_state import RequestState
+
+    engine = make_engine()
+    engine.add_request("good", prompt(0), SamplingParams(max_tokens=5))
+    engine.add_request("bad", prompt(1), SamplingParams(max_tokens=5, n=2))
+    original = RequestState.on_tokens
+
+    def on_tokens(self, seq, *args):
+        if self.request_id == "bad" and seq.num_output_tokens >= 2:
+            raise RuntimeError("detokenizer broke")
+        return original(self, seq, *args)
+
+    monkeypatch.setattr(RequestState, "on_tokens", on_tokens)
+    finished, failures = run_collecting_failures(engine)
+    assert list(failures) == ["bad"] and "RuntimeError: detokenizer broke" in failures["bad"]
+    assert list(finished) == ["good"] and len(finished["good"].outputs[0].token_ids) == 5
+    check_clean(engine)
+
+
+def test_a_failing_model_step_fails_its_requests_and_the_engine_goes_on() -> None:
+    from tokenmill.engine.llm_engine import MAX_FAILED_STEPS
+
+    engine = make_engine()
+    engine.add_request("a", prompt(0), SamplingParams(max_tokens=5))
+    engine.step()
+
+    def boom(chunks):
+        raise RuntimeError("kernel fault")
+
+    engine.runner.before_execute = boom
+    assert engine.step() == []
+    assert engine.take_failures() == {"a": "the model step failed: RuntimeError: kernel fault"}
+    engine.runner.before_execute = None
+    engine.add_request("b", prompt(1), SamplingParams(max_tokens=3))
+    finished, failures = run_collecting_failures(engine)
+    assert not failures and len(finished["b"].outputs[0].token_ids) == 3
+    engine.runner.before_execute = boom  # failing again and again: the engine is broken
+    for i in range(MAX_FAILED_STEPS):
+        engine.add_request(f"c{i}", prompt(2), SamplingParams(max_tokens=3))
+        if i < MAX_FAILED_STEPS - 1:
+            engine.step()
+        else:
+            with pytest.raises(RuntimeError, match="kernel fault"):
+                engine.step()
+    check_clean(engine)
+
+
 # ----- seeds, the engine's surface ----------------------------------------------------------
 
 def test_seed_gives_unseeded_sampled_requests_a_reproducible_seed() -> None:

@@ -285,3 +285,30 @@ def test_bad_constraint_queues_nothing(llm):
     with pytest.raises(GrammarError):
         llm.engine.add_request("bad", "hi", bad)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_grammar_that_breaks_fails_its_request_alone(llm, monkeypatch):
+    """A matcher raising while the step fills masks fails that request; a plain request and
+    another constrained one in the same steps finish."""
+    engine = llm.engine
+    spec = StructuredOutputs(json=SCHEMAS["recipe"])
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=spec)
+    engine.add_request("plain", chat_prompt(llm, "Hi"), SamplingParams(max_tokens=12))
+    engine.add_request("json", chat_prompt(llm, "A recipe"), params)
+    engine.add_request("broken", chat_prompt(llm, "A recipe"), params)
+    matcher = next(r for r in engine.scheduler.waiting if r.group_id == "broken").grammar
+
+    def fill_masks(*args):
+        raise ValueError("draft token 90 breaks the grammar")
+
+    monkeypatch.setattr(matcher, "fill_masks", fill_masks)
+    finished, failures = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        failures.update(engine.take_failures())
+    assert list(failures) == ["broken"] and "breaks the grammar" in failures["broken"]
+    assert sorted(finished) == ["json", "plain"]
+    assert len(finished["plain"].outputs[0].token_ids) == 12
+    assert engine.stats().kv_cache_usage == 0

@@ -311,6 +311,9 @@ class LLMEngine:
             self.proposer.observe(out.scheduled, result.token_ids, out.num_batched_tokens,
                                   seconds)
         result = result or ModelOutput()
+        if self.structured is not None:  # a request whose grammar broke fails alone
+            for group_id, why in self.structured.take_failed().items():
+                self._fail(group_id, why)
         updates = self.scheduler.update_from_output(out, result.token_ids)
         outputs = self._process(updates, result.logprobs)
         self._forget(self.scheduler.take_finished_ids())  # now, not at the next step

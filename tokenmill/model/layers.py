@@ -124,10 +124,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise ``x`` (or ``x + residual``, returning the sum as the new residual)."""
         ops = fused_ops(x, self.cpu_ops)
-        if ops is not None:
-            out, res = ops.rms_norm(x, _NO_RESIDUAL if residual is None else residual,
-                                    self.weight, self.eps)
-            return out if residual is None else (out, res)
+        if ops is not None:  # the kernel takes (tokens, size): e.g. Qwen3's per-head q/k norm
+            shape = x.shape  # is (tokens, heads, head_dim)
+            out, res = ops.rms_norm(x.reshape(-1, shape[-1]), _NO_RESIDUAL if residual is None
+                                    else residual.reshape(-1, shape[-1]), self.weight, self.eps)
+            return out.view(shape) if residual is None else (out.view(shape), res.view(shape))
         if residual is not None:
             x = x + residual
             residual = x

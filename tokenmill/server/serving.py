@@ -238,19 +238,26 @@ class OpenAIServing:
             try:
                 spec = StructuredOutputs(json=parameters,
                                          param=f"tools[{i}].function.parameters")
-                await asyncio.to_thread(self.engine.compile_grammar, spec)
             except ConstraintError as e:
                 raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+            await self._compile_spec(spec)
 
     async def _compile(self, params: SamplingParams) -> None:
         """Compile the request's constraint off the event loop, before anything is queued:
         one that does not compile is a 400 naming its field (the engine reuses the cache)."""
-        if params.structured_outputs is None:
-            return
+        if params.structured_outputs is not None:
+            await self._compile_spec(params.structured_outputs)
+
+    async def _compile_spec(self, spec: StructuredOutputs) -> None:
         try:
-            await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
+            await asyncio.to_thread(self.engine.compile_grammar, spec)
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        except Exception as e:  # e.g. a tokenizer the grammar backend cannot read
+            logger.warning("structured output unavailable: %s: %s", type(e).__name__, e)
+            raise APIError(400, f"{spec.param}: structured output is not available for this "
+                           f"model ({type(e).__name__}: {e})", param=spec.param,
+                           code="unsupported") from None
 
     # ----- shared -----------------------------------------------------------------------------
 

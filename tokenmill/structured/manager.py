@@ -20,6 +20,7 @@ tokenization the model prefers at a boundary.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -32,6 +33,8 @@ from tokenmill.runner.logits_processors import bitmask_width
 from tokenmill.sched.output import ScheduledChunk
 from tokenmill.structured.backend import CompiledGrammar, GrammarBackend, GrammarStats
 from tokenmill.structured.spec import StructuredOutputs
+
+logger = logging.getLogger("tokenmill.engine")
 
 
 
@@ -58,6 +61,7 @@ class StructuredOutputManager:
         self.num_requests = 0  # requests with a constraint, total
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._failed: dict[str, str] = {}  # group id -> why (mask fills run in the worker)
 
     @property
     def stats(self) -> GrammarStats:
@@ -83,13 +87,29 @@ class StructuredOutputManager:
             grammar = seq.grammar
             if grammar is None:
                 continue
-            forced = grammar.forced_tokens() if self.jump_forward else []
-            if forced:
-                out[seq.request_id] = forced
-            elif seq.request_id in out:
-                proposed = out[seq.request_id]
-                out[seq.request_id] = proposed[:grammar.valid_prefix(proposed)]
+            try:
+                forced = grammar.forced_tokens() if self.jump_forward else []
+                if forced:
+                    out[seq.request_id] = forced
+                elif seq.request_id in out:
+                    proposed = out[seq.request_id]
+                    out[seq.request_id] = proposed[:grammar.valid_prefix(proposed)]
+            except Exception as e:  # no drafts for it; it fails after the step
+                out.pop(seq.request_id, None)
+                self._fail(seq, e)
         return out
+
+    def _fail(self, seq: Request, error: Exception) -> None:
+        logger.error("the grammar of %s failed: %s: %s", seq.request_id, type(error).__name__,
+                     error)
+        self._failed[seq.group_id] = f"its output constraint failed: {type(error).__name__}: " \
+                                     f"{error}"
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests (group ids) whose grammar raised since the last call, and why; the engine
+        fails them."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     # ----- masks -------------------------------------------------------------------------------
 
@@ -112,7 +132,11 @@ class StructuredOutputManager:
     def _fill(self, work: list[tuple[ScheduledChunk, int]], words: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         for chunk, row in work:
-            chunk.request.grammar.fill_masks(chunk.draft_token_ids, words, row)
+            try:
+                chunk.request.grammar.fill_masks(chunk.draft_token_ids, words, row)
+            except Exception as e:  # this request's grammar broke: it fails, the step goes on
+                words[row:row + chunk.num_logits] = -1  # any token: its rows are dropped
+                self._fail(chunk.request, e)
         self.stats.num_mask_steps += 1
         self.stats.mask_seconds += time.perf_counter() - start
         return words
