@@ -189,3 +189,29 @@ def test_shutdown_lets_running_requests_finish_and_refuses_new_ones():
         assert outs[-1].finished and not engine.is_alive
 
     run(main())
+
+
+def test_watchdog_marks_an_overlong_step_unhealthy_until_it_ends(caplog):
+    from tokenmill.server.app import _Watchdog
+
+    fake = FakeEngine(step_seconds=0.6)
+
+    async def main():
+        engine = AsyncEngine(fake.engine)
+        engine.start()
+        watchdog = _Watchdog(engine, step_timeout=0.2)
+        watch = asyncio.create_task(watchdog.run())
+        seen = []
+        task = asyncio.create_task(_consume(engine, "slow", 2))  # two 0.6 s steps
+        while not task.done():
+            seen.append(watchdog.healthy)
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        seen.append(watchdog.healthy)
+        watch.cancel()
+        await engine.shutdown(1)
+        return seen
+
+    seen = run(main())
+    assert seen[0] and not all(seen) and seen[-1]  # healthy, stalled, healthy again
+    assert "an engine step has run for" in caplog.text

@@ -158,11 +158,15 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
-        try:
+
+        def decode() -> str:  # a 32 MB body holds millions of ids: off the event loop
             check_vocabulary(req.tokens, serving.vocab_size, "tokens")
+            return serving.tokenizer.decode(req.tokens)
+
+        try:
+            return {"prompt": await serving.off_loop(decode)}
         except PromptError as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from None
-        return {"prompt": serving.tokenizer.decode(req.tokens)}
 
     @app.post("/flush_cache")
     async def flush_cache():
