@@ -133,17 +133,16 @@ def test_logprobs_of_the_output_text(server, client):
 
 def test_forced_function_call_then_its_output(server, client):
     ask = "What is the weather in Paris?"
-    kw = dict(model=MODEL, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
-              temperature=0, max_output_tokens=60)
-    r = client.responses.create(input=ask, **kw)
+    kw = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
+          "temperature": 0, "max_output_tokens": 60}
+    r = client.responses.create(model=MODEL, input=ask, **kw)
     [call] = r.output
     assert (call.type, call.name, call.status, r.status) == (
         "function_call", "get_weather", "completed", "completed")
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     assert call.call_id.startswith("call_") and r.tools[0].name == "get_weather"
 
-    events = stream_events(server, {"input": ask, **{k: v for k, v in kw.items()
-                                                     if k != "model"}})
+    events = stream_events(server, {"input": ask, **kw})
     [streamed] = events[-1].response.output
     assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
     assert "".join(e.delta for e in events

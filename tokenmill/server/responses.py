@@ -84,11 +84,6 @@ class ResponsesRequest(_SamplingFields):
     image: Any = None
     prompt_cache_options: Any = None
 
-    @property
-    def max_tokens(self) -> int | None:
-        """The name the shared request checks read."""
-        return self.max_output_tokens
-
 
 def _never(_: Any) -> bool:
     return False
@@ -182,7 +177,7 @@ def _responses_names():
         raise
 
 
-# ----- input items -> chat messages ---------------------------------------------------------
+# ----- input items -> chat messages ---------------------------------------------------------------
 
 def _input_items(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     if value is None:
@@ -273,7 +268,7 @@ def _chat_messages(history: list[dict[str, Any]], items: list[dict[str, Any]],
     return [ChatMessage(**m) for m in messages]
 
 
-# ----- tools and output constraints -------------------------------------------------------------
+# ----- tools and output constraints ---------------------------------------------------------------
 
 @dataclass
 class _Tools:
@@ -412,7 +407,7 @@ def _constraint(req: ResponsesRequest, text_spec: StructuredOutputs | None, tool
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
 
-# ----- output items and stream events ------------------------------------------------------------
+# ----- output items and stream events -------------------------------------------------------------
 
 def _text_part(text: str, logprobs: list[dict]) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
@@ -527,7 +522,7 @@ class _OutputItems:
                        "item": item})
 
 
-# ----- response objects ----------------------------------------------------------------------------
+# ----- response objects ---------------------------------------------------------------------------
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
     prompt, output = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
@@ -590,19 +585,14 @@ class _Pending:
         return self.body(status, items.items, _usage(out), incomplete, error)
 
 
-@dataclass
-class _Stored:
-    body: dict[str, Any]
-    history: list[dict[str, Any]]  # input and output items of the whole chain, in order
-
-
 class OpenAIResponses:
     """``/v1/responses`` on top of the chat endpoint's machinery, with the response store."""
 
     def __init__(self, serving: OpenAIServing, store_size: int = STORE_SIZE):
         self.s = serving
         self.store_size = store_size
-        self._store: OrderedDict[str, _Stored] = OrderedDict()
+        # response id -> the input and output items of its whole chain, in order
+        self._store: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
 
     async def create(self, req: ResponsesRequest, raw: Request):
         pending, output, streams = await self._start(req)
@@ -623,7 +613,8 @@ class OpenAIResponses:
         s.check_model(req.model)
         _refuse_unsupported(req)
         with _responses_names():
-            s._check_request(req, 1, req.top_logprobs, "top_logprobs")
+            s._check_request(req, 1, req.max_output_tokens, "max_output_tokens",
+                             req.top_logprobs, "top_logprobs")
         items = _input_items(req.input)
         previous = self._previous(req.previous_response_id)
         messages = _chat_messages(previous, items, req.instructions)
@@ -665,7 +656,7 @@ class OpenAIResponses:
         return lambda e: {**entry(e.token_id, e.logprob),
                           "top_logprobs": [entry(t, lp) for t, lp in e.top[:top]]}
 
-    # ----- streaming -----------------------------------------------------------------------------
+    # ----- streaming ------------------------------------------------------------------------------
 
     def _stream(self, pending: _Pending, output: _OutputItems,
                 streams: list[RequestStream]) -> StreamingResponse:
@@ -705,23 +696,23 @@ class OpenAIResponses:
 
         return _AbortingStreamingResponse(events(), streams)
 
-    # ----- the store -----------------------------------------------------------------------------
+    # ----- the store ------------------------------------------------------------------------------
 
     def _previous(self, response_id: str | None) -> list[dict[str, Any]]:
         if response_id is None:
             return []
-        stored = self._store.get(response_id)
-        if stored is None:
+        history = self._store.get(response_id)
+        if history is None:
             raise APIError(404, f"Previous response with id '{response_id}' not found.",
                            "not_found_error", "previous_response_id",
                            "previous_response_not_found")
         self._store.move_to_end(response_id)
-        return stored.history
+        return history
 
     def _keep(self, pending: _Pending, body: dict[str, Any]) -> None:
         if pending.req.store is False or body["status"] == "failed":
             return
-        self._store[pending.rid] = _Stored(body, pending.history + body["output"])
+        self._store[pending.rid] = pending.history + body["output"]
         while len(self._store) > self.store_size:
             self._store.popitem(last=False)
 

@@ -94,7 +94,8 @@ class OpenAIServing:
         self.check_model(req.model)
         _check_best_of(req)
         items = _completion_items(req.prompt)
-        self._check_request(req, len(items), req.logprobs, "logprobs")
+        self._check_request(req, len(items), req.max_tokens, "max_tokens", req.logprobs,
+                            "logprobs")
         if req.suffix is not None:
             items = [self._infill(p, req.suffix) for p in items]
         prompts = [await self.prompt(p, "prompt", req.add_special_tokens) for p in items]
@@ -152,7 +153,10 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         _check_best_of(req)
-        self._check_request(req, 1, req.top_logprobs, "top_logprobs")
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:
+            max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+        self._check_request(req, 1, max_tokens, max_param, req.top_logprobs, "top_logprobs")
         tools = _check_tools(req.tools)
         try:
             tool_mode = check_tool_choice(tools, req.tool_choice)
@@ -261,17 +265,14 @@ class OpenAIServing:
 
     # ----- shared -----------------------------------------------------------------------------
 
-    def _check_request(self, req: _SamplingFields, num_prompts: int, logprobs: int | None,
-                       logprobs_param: str) -> None:
+    def _check_request(self, req: _SamplingFields, num_prompts: int, max_tokens: int | None,
+                       max_tokens_param: str, logprobs: int | None, logprobs_param: str) -> None:
         """The limits a request's fields must keep, before anything is tokenized."""
         lim = self.limits
         if req.n > lim.max_n:
             raise APIError(400, f"n: at most {lim.max_n} choices per request (--max-n), got "
                            f"{req.n}", param="n", code="invalid_value")
-        param = "max_tokens"
-        max_tokens = req.max_tokens
-        if getattr(req, "max_completion_tokens", None) is not None:
-            param, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        param = max_tokens_param
         if isinstance(max_tokens, int) and max_tokens > 0 \
                 and num_prompts * req.n * max_tokens > lim.max_request_tokens:
             raise APIError(400, f"{param}: {num_prompts} prompt(s) x n={req.n} x "
@@ -317,7 +318,8 @@ class OpenAIServing:
         longest = max(len(p.ids) for p in prompts)
         if max_tokens is None:  # until the context (or what the KV cache can hold) ends
             max_tokens = max(1, min(min(self.max_model_len, self.kv_cache_tokens) - longest,
-                                    self.limits.max_request_tokens // (len(prompts) * req.n)))
+                                    self.limits.max_request_tokens
+                                    // (len(prompts) * max(1, req.n))))
         elif isinstance(max_tokens, int) and max_tokens >= 1 \
                 and longest + max_tokens > self.max_model_len:
             raise APIError(400, f"{max_tokens_param}={max_tokens} plus the prompt's {longest} "
