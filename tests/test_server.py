@@ -347,6 +347,9 @@ def test_disconnects_free_everything(server):
     assert m[("tokenmill:num_requests_running", ())] == 0
     assert m[("tokenmill:num_requests_waiting", ())] == 0
     assert m[("tokenmill:kv_cache_usage_perc", ())] == 0
+    # every block free again: never used, or cached and evictable
+    assert m[("tokenmill:kv_cache_free_blocks", ())] == m[("tokenmill:kv_cache_blocks", ())]
+    assert 0 < m[("tokenmill:prefix_cache_blocks", ())] <= m[("tokenmill:kv_cache_blocks", ())]
     assert m[("tokenmill:request_success_total", (("finished_reason", "abort"),))] >= 20
 
 

@@ -189,6 +189,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._publish()  # gauges are right before the first command (the thread is not up)
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 

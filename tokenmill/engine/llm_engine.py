@@ -86,6 +86,9 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_blocks: int = 0  # usable KV blocks
+    num_free_blocks: int = 0  # of those, free for new KV (never used, or cached and evictable)
+    num_cached_blocks: int = 0  # of those, held by the prefix cache (in use or evictable)
     num_preemptions: int = 0
     num_steps: int = 0
     num_prompt_tokens_computed: int = 0  # prompt tokens actually run through the model
@@ -277,6 +280,8 @@ class LLMEngine:
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting,
             kv_cache_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
+            num_blocks=s.num_blocks, num_free_blocks=s.num_free_blocks,
+            num_cached_blocks=s.num_cached_blocks,
             num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             scheduler_seconds=s.overhead_seconds_total, **self._grammar_stats(), **self._counters,

@@ -108,7 +108,7 @@ class SchedulerStats:
     num_waiting: int
     num_preemptions: int  # total since start
     kv_cache_usage: float  # fraction of usable blocks referenced
-    num_free_blocks: int
+    num_free_blocks: int  # free for new KV: never used, or cached and evictable
     num_steps: int
     last_num_batched_tokens: int
     last_num_scheduled: int
@@ -117,6 +117,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of those, tokens whose KV the cache had
     num_draft_tokens: int = 0  # draft tokens scheduled for verification, total
     num_accepted_tokens: int = 0  # of those, accepted
+    num_blocks: int = 0  # usable KV blocks
+    num_cached_blocks: int = 0  # blocks the prefix cache holds (in use or evictable)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -208,7 +208,9 @@ class Scheduler:
             overhead_seconds_total=self._overhead_s,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits, num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens)
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_blocks=self.block_manager.pool.num_usable_blocks,
+            num_cached_blocks=self.block_manager.prefix_cache.num_cached_blocks)
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix no sequence uses; returns the number of blocks dropped."""

@@ -139,8 +139,11 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
     @app.get("/server_info")
     async def server_info():
         """How this engine runs: dtype and why, attention backend, the CPU it found, sizes."""
+        stats = engine.snapshot.stats
         return {"version": tokenmill.__version__, **dataclasses.asdict(engine.info),
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(),
+                "kv_cache_blocks": {"total": stats.num_blocks, "free": stats.num_free_blocks,
+                                    "prefix_cached": stats.num_cached_blocks}}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -37,6 +37,11 @@ class ServerMetrics:
         gauge("num_requests_running", "Requests running on the engine.", lambda s: s.num_running)
         gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
         gauge("kv_cache_usage_perc", "KV cache usage, 0 to 1.", lambda s: s.kv_cache_usage)
+        gauge("kv_cache_blocks", "Usable KV cache blocks.", lambda s: s.stats.num_blocks)
+        gauge("kv_cache_free_blocks", "KV cache blocks free for new tokens (never used, or "
+              "cached and evictable).", lambda s: s.stats.num_free_blocks)
+        gauge("prefix_cache_blocks", "KV cache blocks the prefix cache holds (in use or "
+              "evictable).", lambda s: s.stats.num_cached_blocks)
 
         def counter(name: str, doc: str, labels=lab):
             return Counter(f"tokenmill:{name}", doc, labels, registry=r)
