@@ -359,6 +359,15 @@ def test_top_k_top_p_helper_rows_are_independent() -> None:
     assert kept == nucleus(logits[2].softmax(0), 0.3)
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 1e-320, 1e-45])  # 0 in float32, denormal, tiny
+def test_top_p_that_rounds_to_zero_keeps_the_top_token(top_p: float) -> None:
+    logits = rand_logits(2)
+    masked = apply_top_k_top_p(logits.clone(), [-1, 5], [top_p, top_p])
+    for row in range(2):
+        kept = torch.isfinite(masked[row]).nonzero().flatten().tolist()
+        assert kept == [int(logits[row].argmax())]
+
+
 @pytest.mark.parametrize("scale, ks, partial", [
     (4.0, [-1, 20, 500], True),  # peaked: the CPU partial top-k holds every cutoff
     (0.5, [-1, 20, 500], False),  # flat: row 0's nucleus is too wide, full sort

@@ -392,7 +392,8 @@ def _nucleus_cutoff(logits: torch.Tensor, descending: torch.Tensor, k_cutoff: to
     # p >= 1 becomes 2: cumsum rounding must not cut far-tail tokens of a row with top-p off.
     p = _column([q if q < 1.0 else 2.0 for q in top_p], logits)
     kept = (mass_before < p).sum(dim=-1, keepdim=True)  # a prefix: mass_before never decreases
-    return descending.gather(-1, kept - 1)
+    # The top token always survives, even where top_p rounds to 0 in the logits' dtype.
+    return descending.gather(-1, kept.clamp_min(1) - 1)
 
 
 # --- 7. min-p ------------------------------------------------------------------------------
