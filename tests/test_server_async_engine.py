@@ -215,3 +215,38 @@ def test_watchdog_marks_an_overlong_step_unhealthy_until_it_ends(caplog):
     seen = run(main())
     assert seen[0] and not all(seen) and seen[-1]  # healthy, stalled, healthy again
     assert "an engine step has run for" in caplog.text
+
+
+def test_a_request_aborted_while_waiting_is_reported_finished():
+    fake = FakeEngine(step_seconds=0.01)
+    finished = []
+
+    class Listener:
+        def on_step(self, *args) -> None:
+            pass
+
+        def on_request_finished(self, output, timings) -> None:
+            finished.append(output.request_id)
+
+    async def main():
+        engine = AsyncEngine(fake.engine, listener=Listener())
+        engine.start()
+        streams = [await engine.add_request(f"r{i}", [1], SamplingParams(max_tokens=10_000))
+                   for i in range(5)]  # four slots: r4 waits
+        await streams[0].__anext__()
+        for _ in range(100):
+            if engine.snapshot.num_adds_taken == 5:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.snapshot.num_waiting == 1
+        streams[4].abort()
+        for _ in range(100):
+            if "r4" in finished:
+                break
+            await asyncio.sleep(0.01)
+        for s in streams[:4]:
+            s.abort()
+        await engine.shutdown(1)
+
+    run(main())
+    assert finished[0] == "r4" and sorted(finished) == [f"r{i}" for i in range(5)]

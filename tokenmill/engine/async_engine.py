@@ -361,10 +361,12 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
+        # One that produced nothing yet (still waiting) counts as an abort all the same.
+        last = stream.last or self.engine.current_output(request_id)
         self.engine.abort_request(request_id)
         stream.timings.finished = time.monotonic()
-        if stream.last is not None and self.listener:
-            self.listener.on_request_finished(stream.last, stream.timings)
+        if last is not None and self.listener:
+            self.listener.on_request_finished(last, stream.timings)
         _log_finished(request_id, stream, aborted=True)
 
     def _fail_all(self, reason: str) -> None:

@@ -256,6 +256,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def current_output(self, request_id: str) -> RequestOutput | None:
+        """What an unfinished request has produced so far (nothing, while it waits)."""
+        state = self._requests.get(request_id)
+        return state.output() if state is not None else None
+
     def take_failures(self) -> dict[str, str]:
         """Requests the engine failed since the last call (request id -> why). They are gone:
         no output of theirs follows."""
