@@ -2,7 +2,8 @@
 be idle and clean, and its memory should have stopped growing.
 
     python3 benchmarks/soak.py [--model NAME] [--clients 256] [--duration 300] [--rounds 1]
-        [--url http://127.0.0.1:8000 [--pid PID]] [--out FILE] [--debug-dumps]
+        [--max-prompt 256] [--sample-every 60] [--url http://127.0.0.1:8000 [--pid PID]]
+        [--out FILE] [--debug-dumps [--tracemalloc FRAMES]]
         [any other flag: passed to ``tokenmill serve``, e.g. --max-num-seqs 32]
 
 Without ``--url`` it starts ``tokenmill serve`` as ``benchmarks/compare.py`` does
@@ -11,22 +12,31 @@ Without ``--url`` it starts ``tokenmill serve`` as ``benchmarks/compare.py`` doe
 server; give ``--pid`` (or have psutil find who listens on the port) to sample its memory.
 
 Each of ``--clients`` clients loops until ``--duration`` s are over: completions or chat (half
-each), a random prompt (about 8 to 512 tokens of random text; a third of them start with one of
-four shared 256-token prefixes, so the prefix cache hits, locks and evicts), 16 to 128 output
-tokens, temperature 0 or 0.8. Most requests stream to the end; ``--disconnect`` of them (20 %)
-drop the connection after 1 to 4 chunks, ``--timeout`` (10 %) have a client deadline of 0.2 to
-2 s for the whole request, ``--cancel`` (10 %) are non-streaming requests cancelled after 0.1 to
-3 s. Outcomes are counted: completed, disconnected, timed out, cancelled, errors by HTTP status
-or exception. ``--rounds R`` repeats the load R times with an idle pause between (does memory
-keep growing round after round?).
+each), a random prompt (8 to ``--max-prompt`` tokens of random text, default 256; a third are
+one of four shared 256-token prefixes + 8 to 64 tokens, so the prefix cache hits, locks and
+evicts), 16 to 128 output tokens, temperature 0 or 0.8. Most requests stream to the end;
+``--disconnect`` of them (20 %) drop the connection after 1 to 4 chunks, ``--timeout`` (10 %)
+have a client deadline of 0.2 to 2 s for the whole request, ``--cancel`` (10 %) are
+non-streaming requests cancelled after 0.1 to 3 s. Outcomes are counted: completed,
+disconnected, timed out, cancelled, errors by HTTP status or exception. ``--rounds R`` repeats
+the load R times with an idle pause between (does memory keep growing round after round?).
 
 Every ``--sample-every`` s (and before the load, when it stops and once the server is idle) the
 resident memory of the server process and its children (psutil, else /proc VmRSS) is recorded
-with the running / waiting / KV-usage gauges of ``/metrics``. After the load the script waits
-until the server is idle and checks: running == waiting == 0 and ``kv_cache_usage_perc`` == 0.
-That gauge counts blocks held by requests: cached prefix blocks nobody holds are evictable and
-count as free (``KVBlockManager.usage``), so 0 is right even with a warm prefix cache. Memory
-has reached a plateau when the last two samples under load differ by < 2 % or < 20 MiB.
+with the running / waiting / KV-usage gauges of ``/metrics`` and its block counts
+(``kv_cache_blocks``, ``kv_cache_free_blocks``, ``prefix_cache_blocks``, where the server has
+them). After the load the script waits until the server is idle and checks: running == waiting
+== 0, ``kv_cache_usage_perc`` == 0 and every block free. Usage counts blocks held by requests:
+cached prefix blocks nobody holds are evictable and count as free (``KVBlockManager.usage``),
+so 0 is right even with a warm prefix cache. Memory has reached a plateau when the last two
+samples under load differ by < 2 % or < 20 MiB.
+
+Expect RSS to rise for a long while under mixed load in bfloat16 without any leak: oneDNN's
+matmul keeps two per-shape caches (ideep's, ``LRU_CACHE_CAPACITY``, and its primitive cache,
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1,024 entries each), about 0.3 MiB per entry, and nearly
+every new number of tokens in a step is a new shape; RSS levels off (0.5-0.7 GiB up, with
+glibc's free lists) once they are full. Setting both to e.g. 16 keeps it flat (see
+``--debug-dumps``: malloc in use).
 
 ``--debug-dumps`` (only when this script starts the server) runs the server through a wrapper
 that, on SIGUSR1, writes a dump next to the results: RSS breakdown, glibc ``mallinfo2`` and
@@ -69,7 +79,10 @@ from peers import (SERVED_NAME, Launch, TokenmillPeer, start_peer,  # noqa: E402
 MIB = 1024 * 1024
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GAUGES = {"running": "tokenmill:num_requests_running", "waiting": "tokenmill:num_requests_waiting",
-          "kv_cache_usage": "tokenmill:kv_cache_usage_perc"}
+          "kv_cache_usage": "tokenmill:kv_cache_usage_perc",
+          # block counts (servers from a05c0c2 on; None before)
+          "blocks": "tokenmill:kv_cache_blocks", "free_blocks": "tokenmill:kv_cache_free_blocks",
+          "prefix_cached_blocks": "tokenmill:prefix_cache_blocks"}
 
 
 # ----- the server wrapper for --debug-dumps (runs in the server process) -----------------------
@@ -262,17 +275,18 @@ def parse_metrics(text: str) -> dict[str, list[tuple[str, float]]]:
     return out
 
 
-def block_fields(metrics: dict, info: dict) -> dict:
-    """Whatever the server exposes about free / cached / evictable KV blocks (names containing
-    ``block``) in /metrics or /server_info, and the total from /server_info."""
-    found = {name: sum(v for _, v in values) for name, values in metrics.items()
-             if "block" in name and not name.endswith(("_bucket", "_created"))}
-    found.update({f"server_info.{k}": v for k, v in info.items()
-                  if "block" in k and isinstance(v, (int, float))})
+def block_counts(gauges: dict, info: dict) -> dict:
+    """Usable / free (never used, or cached and evictable) / prefix-cached KV blocks from the
+    /metrics gauges, else /server_info; a server without them gives only the total (derived)."""
+    if gauges.get("blocks") is not None:
+        return {"total": gauges["blocks"], "free": gauges["free_blocks"],
+                "prefix_cached": gauges["prefix_cached_blocks"], "source": "/metrics"}
+    if isinstance(info.get("kv_cache_blocks"), dict):
+        return {**info["kv_cache_blocks"], "source": "/server_info"}
+    out = {"source": "not exposed by this server: only the total, derived"}
     if info.get("kv_cache_tokens") and info.get("block_size"):
-        found["total_blocks (kv_cache_tokens / block_size)"] = \
-            info["kv_cache_tokens"] // info["block_size"]
-    return found
+        out["total"] = info["kv_cache_tokens"] // info["block_size"]
+    return out
 
 
 class SoakPeer(TokenmillPeer):
@@ -333,9 +347,10 @@ class Server:
 # ----- the load ---------------------------------------------------------------------------------
 
 class Prompts:
-    """Random text of 8 to 512 tokens, a third behind one of four shared 256-token prefixes."""
+    """Random text of 8 to ``max_len`` tokens, a third behind one of four shared 256-token
+    prefixes (the pool is built once: a prompt is picked, not generated, per request)."""
 
-    def __init__(self, model: str, seed: int, pool: int = 96):
+    def __init__(self, model: str, seed: int, max_len: int, pool: int = 96):
         from tokenmill.bench.workloads import random_text
         from tokenmill.errors import TokenmillError
         from tokenmill.tokenizer import load_tokenizer
@@ -347,8 +362,8 @@ class Prompts:
         rng = random.Random(seed)
         vocab = tok.vocab_size
         self.prefixes = [random_text(rng, tok, 256, vocab) for _ in range(4)]
-        self.texts = [random_text(rng, tok, rng.randint(8, 512), vocab) for _ in range(pool)]
-        self.questions = [random_text(rng, tok, rng.randint(8, 128), vocab) for _ in range(pool)]
+        self.texts = [random_text(rng, tok, rng.randint(8, max_len), vocab) for _ in range(pool)]
+        self.questions = [random_text(rng, tok, rng.randint(8, 64), vocab) for _ in range(pool)]
 
     def pick(self, rng: random.Random) -> str:
         if rng.random() < 1 / 3:
@@ -474,14 +489,15 @@ def dump(server: Server, dumps: Path | None, trim: bool = False) -> None:
     deadline = time.monotonic() + 120
     while len(list(dumps.glob("dump-*.json"))) == before and time.monotonic() < deadline:
         if (dumps / "dump-error.txt").exists():
-            raise RuntimeError(f"the server's dump failed: {(dumps / 'dump-error.txt').read_text()}")
+            why = (dumps / "dump-error.txt").read_text()
+            raise RuntimeError(f"the server's dump failed: {why}")
         time.sleep(0.5)
 
 
 async def soak(server: Server, args, dumps: Path | None) -> dict:
     import httpx
 
-    prompts = Prompts(server.model, args.seed)
+    prompts = Prompts(server.model, args.seed, args.max_prompt)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     series: list[dict] = []
     counts = Counts()
@@ -525,7 +541,7 @@ async def soak(server: Server, args, dumps: Path | None) -> dict:
             print(f"round {rnd + 1}: {fmt_outcomes(round_counts.as_dict())}; idle after "
                   f"{waited:.0f} s", flush=True)
         final_metrics = await server.metrics(http) if "error" not in gauges else {}
-    final = {**gauges, "blocks": block_fields(final_metrics, server.info),
+    final = {**gauges, "blocks": block_counts(gauges, server.info),
              "request_success": {labels: v for labels, v in
                                  final_metrics.get("tokenmill:request_success_total", [])},
              "preemptions": sum(v for _, v in final_metrics.get(
@@ -544,10 +560,11 @@ def plateau(series: list[dict], pct: float, mib: float) -> dict:
         return {"reached": None, "why": "fewer than two samples under load"}
     a, b = load[-2]["rss_mib"], load[-1]["rss_mib"]
     growth = b - a
-    reached = growth < mib or growth < pct / 100 * a
-    return {"reached": reached, "last_two_mib": [a, b], "growth_mib": round(growth, 1),
-            "growth_pct": round(100 * growth / a, 2),
-            "rule": f"growth < {pct:g} % or < {mib:g} MiB"}
+    steps = [round(y["rss_mib"] - x["rss_mib"], 1) for x, y in zip(load, load[1:])]
+    return {"reached": growth < mib or growth < pct / 100 * a, "last_two_mib": [a, b],
+            "growth_mib": round(growth, 1), "growth_pct": round(100 * growth / a, 2),
+            "under_mib": growth < mib, "under_pct": growth < pct / 100 * a,
+            "growth_per_sample_mib": steps, "rule": f"growth < {pct:g} % or < {mib:g} MiB"}
 
 
 def verdict(result: dict, args) -> dict:
@@ -558,13 +575,17 @@ def verdict(result: dict, args) -> dict:
     for key in ("running", "waiting", "kv_cache_usage"):
         if f.get(key) not in (0, 0.0):
             problems.append(f"{key} = {f.get(key)} after {args.idle_timeout:g} s idle")
+    blocks = f.get("blocks", {})
+    if blocks.get("free") is not None and blocks["free"] != blocks.get("total"):
+        problems.append(f"only {blocks['free']:.0f} of {blocks['total']:.0f} KV blocks are free "
+                        f"or evictable at idle")
     return {"clean": not problems, "problems": problems,
             "rss_plateau": plateau(result["series"], args.plateau_pct, args.plateau_mib)}
 
 
 def fmt_header() -> str:
     return (f"{'t (s)':>7}  {'phase':<14} {'RSS MiB':>8} {'anon':>8} {'file':>6} {'thr':>4}  "
-            f"{'running':>7} {'waiting':>7} {'KV use':>7}")
+            f"{'running':>7} {'waiting':>7} {'KV use':>7} {'free/blocks':>13}")
 
 
 def fmt_row(row: dict) -> str:
@@ -574,9 +595,12 @@ def fmt_row(row: dict) -> str:
 
     kv = row.get("kv_cache_usage")
     kv_text = f"{100 * kv:.2f}%" if isinstance(kv, (int, float)) else "-"
+    free, total = row.get("free_blocks"), row.get("blocks")
+    blocks = f"{free:.0f}/{total:.0f}" if free is not None and total is not None else "-"
     return (f"{row['t_s']:>7.0f}  {row['phase']:<14} {num('rss_mib', 8)} {num('anon_mib', 8)} "
             f"{num('file_mib', 6)} {num('threads', 4, 0)}  {num('running', 7, 0)} "
-            f"{num('waiting', 7, 0)} {kv_text:>7}" + (f"  {row['error']}" if "error" in row else ""))
+            f"{num('waiting', 7, 0)} {kv_text:>7} {blocks:>13}"
+            + (f"  {row['error']}" if "error" in row else ""))
 
 
 def fmt_outcomes(counts: dict) -> str:
@@ -658,7 +682,7 @@ def machine_facts() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
-def report(data: dict) -> None:
+def report(data: dict, args) -> None:
     print()
     m, c, f, v = data["machine"], data["counts"], data["final"], data["verdict"]
     print(f"machine: {m.get('lscpu_model_name') or m.get('cpu')} "
@@ -666,15 +690,26 @@ def report(data: dict) -> None:
           f"{data['config']['clients']} clients x {data['config']['duration_s']} s x "
           f"{data['config']['rounds']} round(s)")
     print(f"requests: {fmt_outcomes(c)}; {c['stream_chunks']} stream chunks")
+    reasons = {k.split('"')[1]: int(v) for k, v in f.get("request_success", {}).items()}
+    print(f"server: finished {reasons}, {f.get('generation_tokens', 0):.0f} tokens generated, "
+          f"{f.get('preemptions', 0):.0f} preemptions")
+    b = f.get("blocks", {})
+    blocks = (f"{b['free']:.0f} of {b['total']:.0f} KV blocks free or evictable "
+              f"({b['prefix_cached']:.0f} held by the prefix cache)" if b.get("free") is not None
+              else f"{b.get('total', '?')} KV blocks; free/evictable counts {b['source']}")
     print(f"final: running={f.get('running')} waiting={f.get('waiting')} "
-          f"kv_cache_usage={f.get('kv_cache_usage')}; blocks: {f.get('blocks')}")
+          f"kv_cache_usage={f.get('kv_cache_usage')}; {blocks}")
     p = v["rss_plateau"]
     if p.get("reached") is None:
         print(f"RSS plateau: unknown ({p['why']})")
     else:
+        lt = "<" if p["under_mib"] else ">="
+        pt = "<" if p["under_pct"] else ">="
         print(f"RSS plateau: {'yes' if p['reached'] else 'NO'} (last two samples under load "
-              f"{p['last_two_mib'][0]:.0f} -> {p['last_two_mib'][1]:.0f} MiB, "
-              f"{p['growth_mib']:+.1f} MiB, {p['growth_pct']:+.2f} %; {p['rule']})")
+              f"{p['last_two_mib'][0]:.0f} -> {p['last_two_mib'][1]:.0f} MiB: "
+              f"{p['growth_mib']:+.1f} MiB ({lt} {args.plateau_mib:g}), {p['growth_pct']:+.2f} % "
+              f"({pt} {args.plateau_pct:g}); rule: {p['rule']}); growth per sample under load: "
+              f"{p['growth_per_sample_mib']} MiB")
     print(f"verdict: {'clean' if v['clean'] else 'NOT CLEAN: ' + '; '.join(v['problems'])}")
     if "dumps" in data:
         print("\ndumps (server-side, at idle points):")
@@ -698,6 +733,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=256)
     ap.add_argument("--duration", type=float, default=300, help="seconds of load per round")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--max-prompt", type=int, default=256,
+                    help="longest random prompt, tokens (shared-prefix prompts: 264 to 320)")
     ap.add_argument("--sample-every", type=float, default=60, help="seconds between samples")
     ap.add_argument("--disconnect", type=float, default=0.2,
                     help="share of requests that drop the connection after 1-4 chunks")
@@ -761,17 +798,19 @@ def main() -> int:
                        "duration_s": args.duration, "rounds": args.rounds,
                        "sample_every_s": args.sample_every, "disconnect": args.disconnect,
                        "timeout": args.timeout, "cancel": args.cancel, "seed": args.seed,
+                       "max_prompt": args.max_prompt,
                        "server_info": server.info,
-                       "malloc_env": {k: v for k, v in os.environ.items()
-                                      if k.startswith(("MALLOC_", "PYTHONMALLOC",
-                                                       "PYTHONTRACEMALLOC"))}},
+                       "memory_env": {k: v for k, v in os.environ.items()
+                                      if k.startswith(("MALLOC_", "PYTHONMALLOC", "OMP_",
+                                                       "PYTHONTRACEMALLOC", "ONEDNN_", "DNNL_",
+                                                       "LRU_CACHE_CAPACITY"))}},
             **result}
     data["verdict"] = verdict(data, args)
     if dumps is not None:
         data["dumps"] = summarize_dumps(dumps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=2))
-    report(data)
+    report(data, args)
     print(f"wrote {args.out}")
     return 0 if data["verdict"]["clean"] else 1
 
