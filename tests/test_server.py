@@ -240,6 +240,8 @@ BAD_REQUESTS = [
      "chat_template"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {
         "chat_template": "{% for i in range(10**9) %}x{% endfor %}"}}, 400, "chat_template"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {
+        "add_generation_prompt": 5}}, 400, "chat_template_kwargs"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 1, "n": 2}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": CHAT, "best_of": 3}, 400, "best_of"),

@@ -11,7 +11,7 @@ undocumented status and can validate every body.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
@@ -179,17 +179,76 @@ class ChatCompletionChunk(BaseModel):
 
 # ----- /v1/responses ----------------------------------------------------------------------------
 
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[dict[str, Any]]
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    id: str
+    type: Literal["function_call"]
+    status: Literal["in_progress", "completed"]
+    call_id: str
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, encoded")
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = Field(ge=0)
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(ge=0)
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int = Field(ge=0)
+    input_tokens_details: InputTokensDetails
+    output_tokens: int = Field(ge=0)
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int = Field(ge=0)
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
 class ResponseObject(BaseModel):
-    """The Responses API object; only the fields every response has are spelled out."""
+    """The Responses API object. The fields that echo the request (instructions, tools, text,
+    temperature...) are not spelled out."""
 
     model_config = ConfigDict(extra="allow")
 
     id: str
     object: Literal["response"]
-    created_at: int | float
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    status: str
-    output: list[dict[str, Any]]
+    output: list[Annotated[OutputMessage | FunctionCallItem, Field(discriminator="type")]]
+    usage: ResponseUsage | None
+    error: ResponseError | None
+    incomplete_details: dict[str, Any] | None
+
+
+class ResponseStreamEvent(BaseModel):
+    """One event of a streamed response (``response.created`` ... ``response.completed``);
+    the event's other fields depend on its type."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(pattern=r"^response\.")
+    sequence_number: int = Field(ge=0)
 
 
 # ----- the other routes -------------------------------------------------------------------------
@@ -248,8 +307,9 @@ class ErrorBody(BaseModel):
 
 
 MODELS: tuple[type[BaseModel], ...] = (
-    Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ResponseObject, ModelCard,
-    ModelList, Tokenized, Detokenized, FlushedCache, Version, ServerInfo, ErrorBody)
+    Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ResponseObject,
+    ResponseStreamEvent, ModelCard, ModelList, Tokenized, Detokenized, FlushedCache, Version,
+    ServerInfo, ErrorBody)
 
 
 # ----- the table --------------------------------------------------------------------------------
@@ -296,17 +356,20 @@ ROUTES: dict[str, Statuses] = {
     "/flush_cache": {200: ("prefix-cache blocks freed", FlushedCache),
                      400: ("requests are running", ErrorBody), 401: (_AUTH, ErrorBody)},
     "/health": {200: ("the engine is alive (empty body)", None),
-                503: ("the engine loop died, or the health generation failed", None)},
+                400: ("generate is not a boolean", ErrorBody),
+                503: ("the engine loop died or stalled, or the generate probe failed (empty "
+                      "body)", None)},
     "/version": {200: ("the tokenmill version", Version)},
     "/server_info": {200: ("how the engine runs", ServerInfo), 401: (_AUTH, ErrorBody)},
     "/metrics": {200: ("Prometheus text exposition", PROMETHEUS_TEXT),
                  401: (_AUTH, ErrorBody)},
 }
-# Routes that stream with ``stream: true``, and the JSON model of their events' data (None: not
-# spelled out).
-STREAMING: dict[str, type[BaseModel] | None] = {
-    "/v1/completions": CompletionChunk, "/v1/chat/completions": ChatCompletionChunk,
-    "/v1/responses": None}
+# Routes that stream with ``stream: true``: the JSON model of their events' data, and whether
+# the stream ends with ``data: [DONE]`` (the Responses API ends with its response.* event).
+STREAMING: dict[str, tuple[type[BaseModel], bool]] = {
+    "/v1/completions": (CompletionChunk, True),
+    "/v1/chat/completions": (ChatCompletionChunk, True),
+    "/v1/responses": (ResponseStreamEvent, False)}
 
 
 # ----- building the document --------------------------------------------------------------------
@@ -350,7 +413,7 @@ def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
         return out
     out = {str(status): _response(desc, body) for status, (desc, body) in statuses.items()}
     if path in STREAMING:
-        out["200"]["content"]["text/event-stream"] = {"schema": _sse_event(STREAMING[path])}
+        out["200"]["content"]["text/event-stream"] = {"schema": _sse_event(*STREAMING[path])}
     if "503" in out and statuses[503][1] is ErrorBody:
         out["503"]["headers"] = {"Retry-After": {
             "description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
@@ -366,15 +429,15 @@ def _response(description: str, body: Body) -> dict[str, Any]:
     return out
 
 
-def _sse_event(chunk: type[BaseModel] | None) -> dict[str, Any]:
+def _sse_event(chunk: type[BaseModel], done: bool) -> dict[str, Any]:
     """The schema of one server-sent event, as OpenAPI 3.2's ``itemSchema`` (and schemathesis,
-    for earlier versions) reads a text/event-stream schema: each ``data`` is a JSON chunk, an
-    error body if generation failed midway, and the last is ``[DONE]``."""
-    data: dict[str, Any] = {"type": "string"}
-    if chunk is not None:
-        data = {"anyOf": [{"const": "[DONE]"}, {
-            "type": "string", "contentMediaType": "application/json",
-            "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorBody)]}}]}
+    for earlier versions) reads a text/event-stream schema: each ``data`` is a JSON chunk (an
+    error body if generation failed midway) and, with ``done``, the last is ``[DONE]``."""
+    data: dict[str, Any] = {"type": "string", "contentMediaType": "application/json",
+                            "contentSchema": _ref(chunk)}
+    if done:
+        data["contentSchema"] = {"anyOf": [_ref(chunk), _ref(ErrorBody)]}
+        data = {"anyOf": [{"const": "[DONE]"}, data]}
     return {"type": "object", "required": ["data"],
             "properties": {"data": data, "event": {"type": "string"}},
             "description": "one server-sent event (stream: true)"}

@@ -37,6 +37,9 @@ from tokenmill.structured.tools import check_tool_choice, tool_choice_constraint
 from tokenmill.tokenizer import ChatTemplateError
 
 _PARAM_FIELDS = set(SamplingParams.__dataclass_fields__)
+# Template variables the request's own fields set (chat_template_kwargs may not).
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt",
+                                          "tools", "renderer", "max_chars"})
 _T = TypeVar("_T")
 logger = logging.getLogger("tokenmill.server")
 
@@ -173,6 +176,11 @@ class OpenAIServing:
             raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None
         await self._check_tool_schemas(tools)
         kwargs = dict(req.chat_template_kwargs or {})
+        reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs: {reserved} are set by the request "
+                           f"itself, not by template variables", param="chat_template_kwargs",
+                           code="invalid_value")
         if req.chat_template is not None:
             kwargs["chat_template"] = req.chat_template
         prompt = await self.chat_prompt(req.messages, req.add_generation_prompt, kwargs,
