@@ -293,7 +293,8 @@ def test_a_grammar_that_breaks_fails_its_request_alone(llm, monkeypatch):
     engine = llm.engine
     spec = StructuredOutputs(json=SCHEMAS["recipe"])
     params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=spec)
-    engine.add_request("plain", chat_prompt(llm, "Hi"), SamplingParams(max_tokens=12))
+    engine.add_request("plain", chat_prompt(llm, "Hi"),
+                       SamplingParams(max_tokens=12, ignore_eos=True))
     engine.add_request("json", chat_prompt(llm, "A recipe"), params)
     engine.add_request("broken", chat_prompt(llm, "A recipe"), params)
     matcher = next(r for r in engine.scheduler.waiting if r.group_id == "broken").grammar
