@@ -21,7 +21,7 @@ from pathlib import Path
 import gguf
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import pre_tokenizers
+from tokenizers import models, pre_tokenizers
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.tokenizer import (ChatTemplateError, IncrementalDetokenizer, Tokenizer,
@@ -481,3 +481,32 @@ def test_bounded_sandbox_keeps_ordinary_arithmetic():
                       [{"role": "user", "content": "hi"}], add_generation_prompt=True,
                       tools=None, variables={})
     assert out == "---1024[1, 1]125.0"
+
+
+def test_long_texts_encode_the_same_through_the_gil_free_path(tok: Tokenizer) -> None:
+    from tokenmill.tokenizer.tokenizer import _GIL_FREE_CHARS
+
+    text = "Once upon a time, 42 wolves ran. " * (2 * _GIL_FREE_CHARS // 30)
+    assert len(text) > _GIL_FREE_CHARS
+    assert tok.encode(text) == tok.backend.encode(text).ids
+    assert tok.encode(text, add_special_tokens=False) == \
+        tok.backend.encode(text, add_special_tokens=False).ids
+
+
+def test_fill_in_the_middle_prompt_only_with_fim_tokens(tok: Tokenizer) -> None:
+    from types import SimpleNamespace
+
+    from tokenmill.server.protocol import APIError
+    from tokenmill.server.serving import OpenAIServing
+
+    assert tok.fim_tokens is None  # SmolLM2's vocabulary has none
+    with pytest.raises(APIError, match="fill-in-the-middle") as e:
+        OpenAIServing._infill(SimpleNamespace(tokenizer=tok), "def f(", "\n    return x")
+    assert e.value.param == "suffix"
+    words = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "a", "b"]
+    backend = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="a"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fim = Tokenizer(backend)
+    assert fim.fim_tokens == tuple(words[:3])
+    prompt = OpenAIServing._infill(SimpleNamespace(tokenizer=fim), "a ", " b")
+    assert prompt == "<|fim_prefix|>a <|fim_suffix|> b<|fim_middle|>"
