@@ -103,3 +103,14 @@ def word_tokenizer(num_words: int = 200) -> Tokenizer:
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.add_special_tokens([AddedToken("</s>", special=True)])
     return Tokenizer(backend, eos_token="</s>", unk_token="w0")
+
+
+def run_collecting_failures(engine) -> tuple[dict, dict]:
+    """Step ``engine`` until idle: (finished outputs, failed requests and why) by id."""
+    finished, failures = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        failures.update(engine.take_failures())
+    return finished, failures

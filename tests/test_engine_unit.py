@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRunner, word_tokenizer
+from tests.fakes import FakeRunner, run_collecting_failures, word_tokenizer
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.engine.llm_engine import EngineInfo, LLMEngine
 from tokenmill.params import SamplingParams
@@ -248,16 +248,6 @@ def test_abort_while_tokens_are_pending() -> None:
     assert engine.step() == [] and not engine.has_unfinished_requests()
     assert set(engine.proposer.forgotten) == {"x", "y"}
     check_clean(engine)
-
-
-def run_collecting_failures(engine: LLMEngine) -> tuple[dict, dict]:
-    finished, failures = {}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        failures.update(engine.take_failures())
-    return finished, failures
 
 
 def test_a_request_whose_output_processing_fails_fails_alone(monkeypatch) -> None:

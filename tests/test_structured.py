@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 import torch
 
+from tests.fakes import run_collecting_failures
 from tokenmill import LLM, SamplingParams, StructuredOutputs
 from tokenmill.structured.backend import GrammarBackend, GrammarError, closed_objects
 from tokenmill.structured.spec import ConstraintError, from_request
@@ -303,12 +304,7 @@ def test_a_grammar_that_breaks_fails_its_request_alone(llm, monkeypatch):
         raise ValueError("draft token 90 breaks the grammar")
 
     monkeypatch.setattr(matcher, "fill_masks", fill_masks)
-    finished, failures = {}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        failures.update(engine.take_failures())
+    finished, failures = run_collecting_failures(engine)
     assert list(failures) == ["broken"] and "breaks the grammar" in failures["broken"]
     assert sorted(finished) == ["json", "plain"]
     assert len(finished["plain"].outputs[0].token_ids) == 12
