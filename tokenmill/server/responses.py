@@ -38,6 +38,9 @@ from tokenmill.structured.tool_parsers import ToolCallParser
 from tokenmill.structured.tools import check_tool_choice, tool_choice_constraint
 
 STORE_SIZE = 1024  # responses kept for previous_response_id, least recently used dropped first
+# ... and at most this many characters of items over all kept responses, each counted with its
+# whole chain (chains share items, so this over-counts: memory stays below it).
+STORE_CHARS = 1 << 26
 LOGPROBS = "message.output_text.logprobs"
 # `include` entries that can be honoured: logprobs, and encrypted reasoning, which is vacuous
 # (no output here is a reasoning item).
@@ -588,11 +591,14 @@ class _Pending:
 class OpenAIResponses:
     """``/v1/responses`` on top of the chat endpoint's machinery, with the response store."""
 
-    def __init__(self, serving: OpenAIServing, store_size: int = STORE_SIZE):
+    def __init__(self, serving: OpenAIServing, store_size: int = STORE_SIZE,
+                 store_chars: int = STORE_CHARS):
         self.s = serving
         self.store_size = store_size
-        # response id -> the input and output items of its whole chain, in order
-        self._store: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self.store_chars = store_chars
+        # response id -> (the input and output items of its whole chain in order, their size)
+        self._store: OrderedDict[str, tuple[list[dict[str, Any]], int]] = OrderedDict()
+        self._chars = 0
 
     async def create(self, req: ResponsesRequest, raw: Request):
         pending, output, streams = await self._start(req)
@@ -701,20 +707,24 @@ class OpenAIResponses:
     def _previous(self, response_id: str | None) -> list[dict[str, Any]]:
         if response_id is None:
             return []
-        history = self._store.get(response_id)
-        if history is None:
+        kept = self._store.get(response_id)
+        if kept is None:
             raise APIError(404, f"Previous response with id '{response_id}' not found.",
                            "not_found_error", "previous_response_id",
                            "previous_response_not_found")
         self._store.move_to_end(response_id)
-        return history
+        return kept[0]
 
     def _keep(self, pending: _Pending, body: dict[str, Any]) -> None:
         if pending.req.store is False or body["status"] == "failed":
             return
-        self._store[pending.rid] = pending.history + body["output"]
-        while len(self._store) > self.store_size:
-            self._store.popitem(last=False)
+        items = pending.history + body["output"]
+        size = len(json.dumps(items, ensure_ascii=False))
+        self._store[pending.rid] = (items, size)
+        self._chars += size
+        while len(self._store) > self.store_size or self._chars > self.store_chars:
+            _, (_, dropped) = self._store.popitem(last=False)
+            self._chars -= dropped
 
 
 def add_responses_routes(app: FastAPI, serving: OpenAIServing) -> None:
