@@ -17,35 +17,59 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class FieldError(ValueError):
     """A request field is unusable; ``param`` names it (the app's 400 says which)."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
 
 
-def check_json_values(value: Any, path: str = "") -> None:
-    """Raise FieldError for the first string with a lone surrogate or non-finite float."""
-    stack = [(path, value)]
+def check_json_values(value: Any) -> None:
+    """Raise FieldError for the first string with a lone surrogate or non-finite float.
+
+    Iterative (a deeply nested body cannot exhaust the stack); a path is only spelled out for
+    the value that fails, and ints (token ids: millions in a big body) are skipped cheaply."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
     while stack:
-        where, v = stack.pop()
+        v, path = stack.pop()
         if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                where = printable(where)
-                raise FieldError(_top(where), f"{where or 'body'}: invalid Unicode (a lone "
-                                 f"UTF-16 surrogate) in a string") from None
+            if not _is_text(v):
+                raise _bad_value(path, "invalid Unicode (a lone UTF-16 surrogate) in a string")
         elif isinstance(v, float):
             if not math.isfinite(v):
-                where = printable(where)
-                raise FieldError(_top(where), f"{where or 'body'}: numbers must be finite, "
-                                 f"got {v}")
+                raise _bad_value(path, f"numbers must be finite, got {v}")
         elif isinstance(v, dict):
             for k, item in v.items():
-                key = k if isinstance(k, str) else str(k)
-                stack.append((f"{where}.{key}" if where else key, key))  # keys are text too
-                stack.append((f"{where}.{key}" if where else key, item))
+                if not _plain(k):  # keys are text too
+                    stack.append((k, (*path, k)))
+                if not _plain(item):
+                    stack.append((item, (*path, k)))
         elif isinstance(v, list):
-            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(v))
+            for i, item in enumerate(v):
+                if not _plain(item):
+                    stack.append((item, (*path, i)))
+
+
+def _plain(item: Any) -> bool:
+    """Fine as it is, decided without a trip through the stack: text, an int, a list of ints
+    (token ids: a big body holds millions)."""
+    kind = item.__class__
+    if kind is str:
+        return item.isascii() or _is_text(item)
+    return kind is int or item is None or kind is bool \
+        or (kind is list and all(x.__class__ is int for x in item))
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bad_value(path: tuple, why: str) -> FieldError:
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    where = printable(where)
+    return FieldError(_top(where) or None, f"{where or 'body'}: {why}")
 
 
 def printable(text: str) -> str:
