@@ -732,7 +732,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8150, help="port of the started server")
     ap.add_argument("--clients", type=int, default=256)
     ap.add_argument("--duration", type=float, default=300, help="seconds of load per round")
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=lambda v: max(1, int(v)), default=1,
+                    help="load rounds with idle pauses between them (at least 1)")
     ap.add_argument("--max-prompt", type=int, default=256,
                     help="longest random prompt, tokens (shared-prefix prompts: 264 to 320)")
     ap.add_argument("--sample-every", type=float, default=60, help="seconds between samples")

@@ -203,6 +203,11 @@ def test_json_schema_text_format(client):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"reasoning": {"effort": None, "budget_tokens": 1000}}, "reasoning"),
+    ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
+    ({"extra_body": {"max_tokens": 5}}, "max_tokens"),  # Chat Completions fields: not ignored
+    ({"extra_body": {"messages": [{"role": "user", "content": "x"}]}}, "messages"),
+    ({"extra_body": {"chat_template": "{{ 1 }}"}}, "chat_template"),
 ])
 def test_unsupported_fields_are_refused(client, body, param):
     body = {"input": "Hi", **body}
@@ -255,3 +260,38 @@ def test_openai_agents_runner(server):
     assert isinstance(answer.final_output, str) and answer.final_output
     assert streamed.final_output == answer.final_output
     assert len(cities) == 1 and called.final_output == f"sunny in {cities[0]}"
+
+
+def test_store_bounds():
+    """The store keeps at most store_size responses and store_chars characters (each
+    counted with its chain), dropping the least recently used; one whose chain alone is over
+    a quarter of the characters is not kept."""
+    from types import SimpleNamespace
+
+    from tokenmill.server.protocol import APIError
+    from tokenmill.server.responses import OpenAIResponses
+
+    def keep(store, rid: str, text: str, previous: str | None = None) -> None:
+        history = store._previous(previous) + [{"type": "message", "content": text}]
+        store._keep(SimpleNamespace(req=SimpleNamespace(store=None), rid=rid, history=history),
+                    {"status": "completed", "output": [{"type": "message", "content": "ok"}]})
+
+    by_count = OpenAIResponses(serving=None, store_size=3)
+    for rid in "abcd":
+        keep(by_count, rid, "x")
+    assert list(by_count._store) == ["b", "c", "d"]
+    by_count._previous("b")  # used: now the most recent
+    keep(by_count, "e", "y", "b")
+    assert list(by_count._store) == ["d", "b", "e"]
+    assert [i["content"] for i in by_count._previous("e")] == ["x", "ok", "y", "ok"]
+
+    by_chars = OpenAIResponses(serving=None, store_chars=1000)
+    for rid in "abcd":  # about 225 characters each
+        keep(by_chars, rid, "x" * 150)
+    assert list(by_chars._store) == ["a", "b", "c", "d"]
+    keep(by_chars, "e", "x" * 150)
+    assert list(by_chars._store) == ["b", "c", "d", "e"] and by_chars._chars <= 1000
+    keep(by_chars, "f", "x" * 300)  # over a quarter alone: not kept, nothing dropped
+    assert list(by_chars._store) == ["b", "c", "d", "e"]
+    with pytest.raises(APIError):
+        by_chars._previous("f")

@@ -405,3 +405,16 @@ def test_malformed_input_raises_naming_the_field(mutate, message, handles):
     mutate(messages, tools)
     with pytest.raises(ValueError, match=message):
         prepare_tool_messages(messages, tools, hermes(), template_handles_tools=handles)
+
+
+def test_escaped_lone_surrogate_in_arguments_stays_escaped():
+    """A model may write "\\ud800" inside a call: the arguments stay valid UTF-8 text (a lone
+    surrogate could not be sent in a response) and mean the same JSON."""
+    from tokenmill.structured.tool_parsers import get_tool_parser
+
+    call = get_tool_parser("hermes").make_call(
+        '{"name": "f", "arguments": {"a": "\\ud800 é", "b": 1}}')
+    call.arguments.encode("utf-8")
+    assert json.loads(call.arguments) == {"a": "\ud800 é", "b": 1}
+    plain = get_tool_parser("hermes").make_call('{"name": "f", "arguments": {"a": "é"}}')
+    assert plain.arguments == '{"a": "é"}'  # non-ASCII text is kept as it is

@@ -332,12 +332,14 @@ _AUTH = "missing or wrong API key (only when the server runs with one)"
 _NOT_FOUND = "unknown model"
 _TOO_LARGE = "request body too large"
 _UNAVAILABLE = "overloaded or shutting down; Retry-After says when to try again"
+_FAILED = "the engine failed this request (a bug: the other requests and the server go on)"
 
 
 def _generation(model: type[BaseModel], not_found: str = _NOT_FOUND) -> Statuses:
     return {200: ("the object, or a stream of chunks with stream: true", model),
             400: (_BAD, ErrorBody), 401: (_AUTH, ErrorBody), 404: (not_found, ErrorBody),
-            413: (_TOO_LARGE, ErrorBody), 503: (_UNAVAILABLE, ErrorBody)}
+            413: (_TOO_LARGE, ErrorBody), 500: (_FAILED, ErrorBody),
+            503: (_UNAVAILABLE, ErrorBody)}
 
 
 ROUTES: dict[str, Statuses] = {

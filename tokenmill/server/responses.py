@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -36,6 +37,8 @@ from tokenmill.server.serving import (OpenAIServing, _AbortingStreamingResponse,
 from tokenmill.structured.spec import ConstraintError, StructuredOutputs, from_request
 from tokenmill.structured.tool_parsers import ToolCallParser
 from tokenmill.structured.tools import check_tool_choice, tool_choice_constraint
+
+logger = logging.getLogger("tokenmill.server")
 
 STORE_SIZE = 1024  # responses kept for previous_response_id, least recently used dropped first
 # ... and at most this many characters of items over all kept responses, each counted with its
@@ -74,6 +77,13 @@ class ResponsesRequest(_SamplingFields):
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     # Taken only with values that ask for nothing tokenmill lacks (see _UNSUPPORTED).
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    messages: Any = None
+    logprobs: Any = None
+    chat_template_kwargs: Any = None
+    chat_template: Any = None
+    add_generation_prompt: Any = None
     truncation: Any = None
     reasoning: Any = None
     service_tier: Any = None
@@ -97,7 +107,9 @@ def _empty(value: Any) -> bool:
 
 
 def _no_reasoning(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("effort") in (None, "none") \
+    return isinstance(value, dict) \
+        and set(value) <= {"effort", "summary", "generate_summary", "mode"} \
+        and value.get("effort") in (None, "none") \
         and value.get("summary") is None and value.get("generate_summary") is None \
         and value.get("mode") in (None, "standard")
 
@@ -135,6 +147,17 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stream_options": (lambda v: not v.get("include_obfuscation"),
                        "stream obfuscation is not supported"),
     "max_tool_calls": (lambda v: v >= 0, "must be at least 0"),
+    "prompt_cache_retention": (lambda v: v == "in_memory",
+                               "the prefix cache promises no lifetime: only 'in_memory'"),
+    # Chat Completions fields: here they would be ignored, so they are refused.
+    "max_tokens": (_never, "a Chat Completions field: the Responses API takes max_output_tokens"),
+    "max_completion_tokens": (_never, "a Chat Completions field: use max_output_tokens"),
+    "messages": (_never, "a Chat Completions field: the Responses API takes input"),
+    "logprobs": (_never, "a Chat Completions field: use include "
+                         "['message.output_text.logprobs']"),
+    "chat_template_kwargs": (_never, "not supported on /v1/responses"),
+    "chat_template": (_never, "not supported on /v1/responses"),
+    "add_generation_prompt": (_never, "not supported on /v1/responses"),
     "top_logprobs": (lambda v: 0 <= v <= 20, "must be between 0 and 20"),
 }
 
@@ -637,8 +660,10 @@ class OpenAIResponses:
             params = s._params(req, req.max_output_tokens, logprobs, [prompt],
                                "max_output_tokens", structured)
             await s._compile(params)
+            # Reasoning items reach no prompt: they are not kept either.
+            kept = [i for i in items if not (isinstance(i, dict) and i.get("type") == "reasoning")]
             pending = _Pending(f"resp_{uuid.uuid4().hex}", s.model_name, req, tools, text_echo,
-                               previous + items)
+                               previous + kept)
             streams = await s._add_all(pending.rid, [prompt.ids], params, req.priority,
                                        req.cache_salt)
         output = _OutputItems(parser, req.parallel_tool_calls is not False,
@@ -720,6 +745,9 @@ class OpenAIResponses:
             return
         items = pending.history + body["output"]
         size = len(json.dumps(items, ensure_ascii=False))
+        if size > self.store_chars // 4:  # would push out most of the store: not kept
+            logger.info("response %s not stored: its chain is %d characters", pending.rid, size)
+            return
         self._store[pending.rid] = (items, size)
         self._chars += size
         while len(self._store) > self.store_size or self._chars > self.store_chars:

@@ -116,7 +116,12 @@ class ToolCallParser(ABC):
         if decoded is None:
             return None
         name, arguments = decoded
-        return ToolCall(self.id_factory(), name, json.dumps(arguments, ensure_ascii=False))
+        text = json.dumps(arguments, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # the model wrote an escaped lone surrogate: keep it escaped
+            text = json.dumps(arguments)
+        return ToolCall(self.id_factory(), name, text)
 
     def streamer(self) -> ToolCallStreamer:
         return ToolCallStreamer(self)
