@@ -82,7 +82,6 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     app.state.engine = async_engine
     app.state.serving = serving
-    app.state.settings = settings
     _install_error_handlers(app)
     app.add_middleware(_BodyLimit, max_bytes=settings.limits.max_body_bytes)
     if settings.api_key:

@@ -758,7 +758,6 @@ class OpenAIResponses:
 def add_responses_routes(app: FastAPI, serving: OpenAIServing) -> None:
     """``POST /v1/responses``."""
     responses = OpenAIResponses(serving)
-    app.state.responses = responses
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request):

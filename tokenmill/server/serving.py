@@ -448,13 +448,8 @@ def _sampling_kwargs(req: _SamplingFields, max_tokens: int, logprobs: int | None
         value = getattr(req, name)
         kw[name] = default if value is None else value
     kw["stop"] = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    bias = {}
-    for key, value in (req.logit_bias or {}).items():
-        try:
-            bias[int(key)] = value
-        except ValueError:
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
-    kw["logit_bias"] = bias
+    # keys were checked to be token ids by _check_logit_bias
+    kw["logit_bias"] = {int(key): value for key, value in (req.logit_bias or {}).items()}
     return kw
 
 
