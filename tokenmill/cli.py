@@ -41,6 +41,14 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
     ("--attention-backend", "attention_backend", dict(
         choices=["auto", "cpu", "torch"], help="cpu: compiled kernels reading K/V in place; "
                                                "torch: the reference; auto: cpu where it builds")),
+    ("--quantization", "quantization", dict(
+        choices=["none", "auto", "int8", "int4"],
+        help="linear weights: int8 (per-channel scales), int4 (groups of 32); auto: a "
+             "quantized GGUF keeps its own Q8_0/Q4_0/Q4_1 blocks, others none")),
+    ("--kv-cache-dtype", "kv_cache_dtype", dict(
+        choices=["auto", "int8"],
+        help="KV cache storage: auto (the compute dtype) or int8 (a scale per token and head; "
+             "about twice the tokens of bf16)")),
     ("--num-threads", "num_threads", dict(
         type=int, help="CPU threads of the forward (unset: chosen from the usable cores)")),
     ("--kv-cache-memory", "kv_cache_memory", dict(

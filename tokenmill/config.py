@@ -123,6 +123,12 @@ class EngineConfig:
     # "auto": "cpu" (K/V read in place by the compiled kernels) on a CPU where they build,
     # else "torch" (the reference)
     attention_backend: str = "auto"
+    # Linear weights: "none" (the compute dtype), "int8" (per-channel scales), "int4" (groups of
+    # 32 with scales and offsets), "auto" (a quantized GGUF stays as the file has it: Q8_0 as
+    # int8, Q4_0 / Q4_1 as int4, each with the file's own block scales; else none)
+    quantization: str = "none"
+    # KV cache storage: "auto" (the compute dtype) or "int8" (a scale per token and head)
+    kv_cache_dtype: str = "auto"
     # intra-op threads of the forward on a CPU (None: tokenmill.platform.default_threads)
     num_threads: int | None = None
     # Sampling seed of requests that bring none (derived per request from it and the arrival

@@ -75,6 +75,8 @@ class EngineInfo:
     dtype: str = "float32"
     dtype_reason: str = ""
     attention_backend: str = "torch"
+    quantization: str = "none"  # the linear weights' format as loaded (none, int8, int4, ...)
+    kv_cache_dtype: str = "auto"
     hardware: dict = field(default_factory=dict)  # the CPU and its instruction sets
     speculative: dict = field(default_factory=dict)  # method and k; empty when off
 
@@ -168,7 +170,7 @@ class LLMEngine:
             backend = default_backend(config.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        loaded = load_model(config.model, config.device, dtype, backend)
+        loaded = load_model(config.model, config.device, dtype, backend, config.quantization)
         model, cache = loaded.config, config.cache
         tokenizer = load_tokenizer(config.model)
         draft = load_draft_model(config.speculative, loaded, tokenizer, config.device, dtype,
@@ -177,8 +179,10 @@ class LLMEngine:
         draft_bytes = bytes_per_block(draft.config, cache.block_size, getattr(torch, dtype)) \
             if draft else 0
         num_blocks = num_kv_blocks(model, cache.block_size, getattr(torch, dtype), config.device,
-                                   cache.kv_cache_memory, cache.num_blocks, draft_bytes)
-        runner = ModelRunner(loaded, num_blocks, cache.block_size, config.device)
+                                   cache.kv_cache_memory, cache.num_blocks, draft_bytes,
+                                   config.kv_cache_dtype)
+        runner = ModelRunner(loaded, num_blocks, cache.block_size, config.device,
+                             config.kv_cache_dtype)
         proposer = build_decoder(config.speculative, draft, num_blocks, cache.block_size,
                                  config.device, config.scheduler.max_num_batched_tokens)
         max_len = min(config.scheduler.max_model_len or model.max_position_embeddings,
@@ -189,11 +193,12 @@ class LLMEngine:
         info = EngineInfo(str(loaded.source.path), model.vocab_size, max_len,
                           (num_blocks - 1) * cache.block_size,  # block 0 is padding
                           config.scheduler.max_num_seqs, cache.block_size, dtype,
-                          dtype_reason, backend,
+                          dtype_reason, backend, loaded.quantization, config.kv_cache_dtype,
                           cpu_description() if config.device.startswith("cpu") else {},
                           spec_description(config.speculative, draft) if proposer else {})
-        logger.info("compute dtype %s (%s); attention backend %s; %s", dtype, dtype_reason,
-                    backend, info.hardware or config.device)
+        logger.info("compute dtype %s (%s); weights %s; KV cache %s; attention backend %s; %s",
+                    dtype, dtype_reason, loaded.quantization, config.kv_cache_dtype, backend,
+                    info.hardware or config.device)
         if proposer is not None:
             logger.info("speculative decoding: %s", info.speculative)
         grammars = GrammarBackend(tokenizer.backend.to_str(), model.vocab_size,

@@ -28,7 +28,8 @@ from tokenmill.platform import cpu_flags
 
 log = logging.getLogger("tokenmill.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "cpu_ops.cpp"  # the one translation unit; it includes the headers beside it
 # -ffp-contract=off: a * b - c * d stays two roundings, as in PyTorch's unfused ops (the
 # attention kernel's FMAs are explicit intrinsics)
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
@@ -36,7 +37,8 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 def build_dir() -> Path:
     root = Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill"))
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, sys.version,
+    sources = [p.read_text() for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h")]
+    key = hashlib.sha256("\n".join([*sources, torch.__version__, sys.version,
                                     *_FLAGS, *sorted(cpu_flags())]).encode()).hexdigest()[:16]
     return root / "kernels" / f"cpu-{key}"
 

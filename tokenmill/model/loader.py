@@ -30,10 +30,11 @@ class LoadedModel:
     model: nn.Module
     config: ModelConfig
     source: ModelSource
+    quantization: str = "none"  # the linear weights' format as loaded
 
 
 def load_model(model: str, device: str = "cpu", dtype: str = "float32",
-               attention_backend: str = "auto") -> LoadedModel:
+               attention_backend: str = "auto", quantization: str = "none") -> LoadedModel:
     """Load ``model`` (a path or known name) onto ``device`` with weights in ``dtype``;
     attention by the named backend (``auto``: ``default_backend(device)``)."""
     source = resolve_model(model)

@@ -17,13 +17,17 @@ from tokenmill.config import ModelConfig
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                    kv_cache_dtype: str = "auto") -> int:
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # K and V, every layer
     return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
-                      device: torch.device | str, dtype: torch.dtype) -> list[KVCache]:
+                      device: torch.device | str, dtype: torch.dtype,
+                      kv_cache_dtype: str = "auto") -> list[KVCache]:
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"KV cache dtype {kv_cache_dtype!r} is not supported")
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
@@ -53,14 +57,16 @@ def default_kv_cache_bytes(device: torch.device | str) -> int:
 
 def num_kv_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                   device: torch.device | str, kv_cache_memory: int | None = None,
-                  num_blocks: int | None = None, extra_bytes_per_block: int = 0) -> int:
+                  num_blocks: int | None = None, extra_bytes_per_block: int = 0,
+                  kv_cache_dtype: str = "auto") -> int:
     """Blocks of KV cache to allocate: given outright, from a byte budget, or from free memory.
     ``extra_bytes_per_block``: what each block costs elsewhere too (a draft model's cache of as
     many tokens), paid from the same budget."""
     if num_blocks is not None:
         return num_blocks
     budget = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_bytes(device)
-    blocks = budget // (bytes_per_block(cfg, block_size, dtype) + extra_bytes_per_block)
+    blocks = budget // (bytes_per_block(cfg, block_size, dtype, kv_cache_dtype)
+                        + extra_bytes_per_block)
     if blocks < 2:
         raise ValueError(f"KV cache budget of {budget} bytes holds less than 2 blocks of "
                          f"{block_size} tokens; raise --kv-cache-memory")

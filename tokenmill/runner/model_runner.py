@@ -33,14 +33,15 @@ if TYPE_CHECKING:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16,
-                 device: str = "cpu"):
+                 device: str = "cpu", kv_cache_dtype: str = "auto"):
         self.model = loaded.model
         self.config = loaded.config
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         dtype = getattr(torch, self.config.dtype)
-        self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.device, dtype)
+        self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.device, dtype,
+                                           kv_cache_dtype)
         self.sampler = Sampler()
 
     @torch.inference_mode()

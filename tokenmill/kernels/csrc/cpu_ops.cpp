@@ -92,6 +92,10 @@ struct Vec {
   static Vec load(const at::Half* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  static Vec load(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
   template <typename T>  // any other dtype: widened one by one
   static Vec load(const T* p) {
     float tmp[W];
@@ -112,6 +116,10 @@ struct Vec {
   static Vec load(const at::BFloat16* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
+  }
+  static Vec load(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
   }
   template <typename T>  // any other dtype: widened one by one
   static Vec load(const T* p) {
@@ -686,6 +694,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 }  // namespace
 
+#include "quant_ops.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs, as PyTorch's own ops do, so the server's event
   // loop thread keeps streaming while the engine thread computes
@@ -702,4 +712,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("rope_", &rope_, "rotate-half RoPE in place", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", release());
+  register_quant_ops(m);
 }
