@@ -1,4 +1,5 @@
-"""Read a Llama-family model from a GGUF file: config from metadata, tensors dequantized.
+"""Read a Llama-family model from a GGUF file: config from metadata, tensors dequantized (or,
+for ``--quantization auto``, Q8_0 / Q4_0 / Q4_1 tensors kept in their blocks: model/quant.py).
 
 Tensor names are mapped to Hugging Face names so one weight loader serves both formats.
 llama.cpp's converter interleaves the rows of Q and K for the ``llama`` architecture (its RoPE
@@ -16,6 +17,7 @@ import torch
 
 from tokenmill.config import ModelConfig, RopeScaling
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.quant import GGUF_BLOCKS, QuantWeight, from_gguf_blocks
 
 # GGUF architecture -> our family name (Mistral files say "llama")
 _ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -105,16 +107,30 @@ def _rope_scaling(reader, arch: str) -> RopeScaling:
     raise ModelLoadError(f"GGUF RoPE scaling type {kind!r} is not supported")
 
 
-def gguf_weights(reader, cfg: ModelConfig, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, float32 tensor) for every weight tensor in the file."""
+def gguf_weights(reader, cfg: ModelConfig, path: Path, keep_quantized: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """Yield (Hugging Face name, float32 tensor) for every weight tensor in the file; with
+    ``keep_quantized``, 2-D tensors in Q8_0, Q4_0 or Q4_1 come as ``QuantWeight`` holding the
+    file's own blocks instead."""
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # precomputed RoPE factors; we compute them from the config
         name = _hf_name(tensor.name, path)
-        w = torch.from_numpy(_dequantize(tensor, path))
+        qtype = tensor.tensor_type.name
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # innermost dimension last
+        w: torch.Tensor | QuantWeight
+        if keep_quantized and qtype in GGUF_BLOCKS and len(shape) == 2:
+            try:
+                w = from_gguf_blocks(np.asarray(tensor.data), qtype, shape)
+            except ValueError as e:
+                raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({qtype}) is corrupt: "
+                                     f"{e}") from e
+        else:
+            w = torch.from_numpy(_dequantize(tensor, path))
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-            w = _undo_qk_permute(w, heads)
+            w = w.rows(_undo_qk_permute(torch.arange(shape[0]), heads)) \
+                if isinstance(w, QuantWeight) else _undo_qk_permute(w, heads)
         yield name, w
 
 

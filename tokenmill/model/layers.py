@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import RopeScaling
+from tokenmill.model.quant import QuantWeight, concat_rows, dequantize, embedding_rows
+from tokenmill.model.quant import quant_linear
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -43,8 +45,15 @@ class Linear(nn.Module):
         self.bias = empty_param(out_features) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU, fp32)
         self.cpu_ops = None  # set by the loader when the CPU kernels are in use
+        # quantized weights (model/quant.py) replacing ``weight``, and the kernels that
+        # multiply them (the CPU kernels whatever the attention backend; None: dequantize)
+        self.quant: QuantWeight | None = None
+        self.quant_ops = None
+        self.quant_parts: dict = {}  # shard id -> QuantWeight, while a checkpoint loads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_linear(x, self.quant, self.bias, self.quant_ops)
         ops = self.cpu_ops
         if (ops is not None and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16
                 and ops.has_bf16_dot and self.weight.shape[0] % 4 == 0):
@@ -53,6 +62,37 @@ class Linear(nn.Module):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def load_quantized(self, qw: QuantWeight, shard_id=None) -> None:
+        """Take a checkpoint tensor that stays quantized (a GGUF block format); the shards of a
+        fused layer are joined by ``finish_quantized``."""
+        rows = self.weight.shape[0] if shard_id is None else self.offsets[shard_id][1]
+        if qw.shape != (rows, self.weight.shape[1]):
+            raise ValueError(f"shape mismatch: parameter {(rows, self.weight.shape[1])} vs "
+                             f"checkpoint {qw.shape}")
+        self.quant_parts[shard_id] = qw
+
+    def finish_quantized(self) -> bool:
+        """Join the quantized shards loaded into one weight; where they differ in format (or
+        some shards came as floats), dequantize them into ``weight`` instead. Returns whether
+        the layer is now quantized."""
+        parts, self.quant_parts = self.quant_parts, {}
+        if not parts:
+            return False
+        order = list(getattr(self, "offsets", {None: None}))
+        joined = concat_rows([parts[s] for s in order]) if set(parts) == set(order) else None
+        if joined is None:
+            for shard, qw in parts.items():
+                rows = self.weight.data if shard is None else \
+                    self.weight.data.narrow(0, *self.offsets[shard])
+                rows.copy_(dequantize(qw, rows.dtype))
+            return False
+        self.set_quantized(joined)
+        return True
+
+    def set_quantized(self, qw: QuantWeight) -> None:
+        self.quant = qw.to(self.weight.device)
+        self.weight = None
 
     def pack_for_cpu(self, keep_dense: bool) -> bool:
         """Move the weight into oneDNN's layout when that kernel applies (fp32 on a CPU).
@@ -82,6 +122,29 @@ def pack_linear_weights(module: nn.Module) -> int:
         if isinstance(layer, Linear) and layer.weight is not None:
             packed += layer.pack_for_cpu(keep_dense=uses[id(layer.weight)] > 1)
     return packed
+
+
+class Embedding(nn.Module):
+    """Token embedding; rows are looked up from ``quant`` when the table is stored quantized
+    (a GGUF's Q8_0 table, or one tied to a quantized output layer)."""
+
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.weight = empty_param(num_embeddings, dim)
+        self.quant: QuantWeight | None = None
+        self.quant_parts: dict = {}
+        self.dtype = self.weight.dtype
+
+    def load_quantized(self, qw: QuantWeight, shard_id=None) -> None:
+        if qw.shape != tuple(self.weight.shape):
+            raise ValueError(f"shape mismatch: parameter {tuple(self.weight.shape)} vs "
+                             f"checkpoint {qw.shape}")
+        self.quant_parts[None] = qw
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return embedding_rows(input_ids, self.quant, self.dtype)
+        return F.embedding(input_ids, self.weight)
 
 
 class ShardedLinear(Linear):

@@ -13,7 +13,7 @@ from torch import nn
 from tokenmill.attention import AttentionBackend, AttentionMetadata
 from tokenmill.config import ModelConfig
 from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, ShardedLinear, apply_rope
-from tokenmill.model.layers import empty_param, silu_and_mul
+from tokenmill.model.layers import Embedding, silu_and_mul
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -84,8 +84,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend)
@@ -93,7 +92,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
-        h = nn.functional.embedding(input_ids, self.embed_tokens.weight)
+        h = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):

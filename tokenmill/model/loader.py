@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -11,9 +13,18 @@ from torch import nn
 from tokenmill.attention import AttentionBackend, default_backend, get_backend
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.layers import pack_linear_weights
+from tokenmill.kernels.cpu import load as load_cpu_kernels
+from tokenmill.model.layers import Embedding, Linear, pack_linear_weights
+from tokenmill.model.quant import INT4_GROUP, QUANTIZATIONS, QuantWeight, dequantize
+from tokenmill.model.quant import quantize_int4, quantize_int8, use_int8_activations
 from tokenmill.model.registry import model_class
 from tokenmill.model_source import ModelSource, resolve_model
+
+log = logging.getLogger("tokenmill.model")
+
+# --quantization int8 multiplies int8 activations (dynamic per-token scales) where the CPU has
+# int8 dot products (AVX512-VNNI)
+W8A8 = True
 
 # checkpoint sub-name -> (fused parameter sub-name, shard id)
 _STACKED = {
@@ -30,20 +41,28 @@ class LoadedModel:
     model: nn.Module
     config: ModelConfig
     source: ModelSource
-    quantization: str = "none"  # the linear weights' format as loaded
+    quantization: str = "none"  # the linear weights' formats as loaded (quantize_model)
 
 
 def load_model(model: str, device: str = "cpu", dtype: str = "float32",
                attention_backend: str = "auto", quantization: str = "none") -> LoadedModel:
     """Load ``model`` (a path or known name) onto ``device`` with weights in ``dtype``;
-    attention by the named backend (``auto``: ``default_backend(device)``)."""
+    attention by the named backend (``auto``: ``default_backend(device)``); linear weights
+    quantized as ``quantization`` says (model/quant.py)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; use one of "
+                         f"{', '.join(QUANTIZATIONS)}")
+    if quantization != "none" and torch.device(device).type != "cpu":
+        log.warning("--quantization %s runs on CPUs only for now: on %s the weights are "
+                    "dequantized at load", quantization, device)
+        quantization = "none"
     source = resolve_model(model)
     if source.kind == "gguf":
         from tokenmill.model.gguf_file import gguf_model_config, gguf_weights, open_gguf
 
         reader = open_gguf(source.path)
         cfg = gguf_model_config(reader, source.path).with_dtype(dtype)
-        weights = gguf_weights(reader, cfg, source.path)
+        weights = gguf_weights(reader, cfg, source.path, keep_quantized=quantization == "auto")
     else:
         from tokenmill.model.hf_files import hf_model_config, hf_weights
 
@@ -54,12 +73,57 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     backend = get_backend(attention_backend)
     module = build_model(cfg, device, backend)
     load_weights(module, weights, str(source.path))
+    described = quantize_model(module, quantization)
     pack_linear_weights(module)
     ops = getattr(backend, "ops", None)  # the compiled CPU kernels also fuse the layers' steps
     for layer in module.modules():
         if hasattr(layer, "cpu_ops"):
             layer.cpu_ops = ops
-    return LoadedModel(module, cfg, source)
+    return LoadedModel(module, cfg, source, described)
+
+
+def quantize_model(module: nn.Module, quantization: str) -> str:
+    """Put the linear layers in their quantized form after loading: join the GGUF blocks kept
+    by ``auto``, or quantize float weights for ``int8`` / ``int4``. The output layer gets int8
+    in both (as llama.cpp keeps it at 6-8 bits: it decides every token); a tied embedding then
+    looks its rows up from the same quantized table. Returns what the layers hold, e.g.
+    "q4_1 x120, q8_0 x1", or "none"."""
+    lm_head = getattr(module, "lm_head", None)
+    tied = getattr(getattr(module, "config", None), "tie_word_embeddings", False)
+    embeddings = [m for m in module.modules() if isinstance(m, Embedding)]
+    for embedding in embeddings:  # auto: a quantized table in the file
+        qw = embedding.quant_parts.pop(None, None)
+        if qw is not None and tied and lm_head is not None:
+            lm_head.set_quantized(qw)
+        elif qw is not None:
+            embedding.quant, embedding.weight = qw, None
+    linears = [m for m in module.modules() if isinstance(m, Linear)]
+    for layer in linears:
+        layer.finish_quantized()
+    if quantization in ("int8", "int4"):
+        for layer in linears:
+            if layer.weight is None:
+                continue
+            w = layer.weight.detach()
+            four = quantization == "int4" and layer is not lm_head \
+                and w.shape[1] % INT4_GROUP == 0
+            layer.set_quantized(quantize_int4(w) if four else quantize_int8(w))
+    if tied and lm_head is not None and lm_head.quant is not None:
+        for embedding in embeddings:
+            embedding.quant, embedding.weight = lm_head.quant, None
+    kinds = Counter(layer.quant.kind for layer in linears if layer.quant is not None)
+    if not kinds:
+        return "none"
+    ops = load_cpu_kernels()
+    if ops is None:
+        log.warning("quantized weights without the CPU kernels: every step dequantizes them "
+                    "(slow); install a C++ compiler")
+    for layer in linears:
+        layer.quant_ops = ops
+        if (quantization == "int8" and W8A8 and ops is not None and ops.has_int8_dot
+                and layer.quant is not None and layer.quant.kind == "int8"):
+            use_int8_activations(layer.quant)
+    return ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
 
 
 def build_model(cfg: ModelConfig, device: str, backend: AttentionBackend) -> nn.Module:
@@ -89,6 +153,16 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         param = params.get(target)
         if param is None:
             raise ModelLoadError(f"{origin}: checkpoint tensor {name!r} has no place in the model")
+        if isinstance(tensor, QuantWeight):  # kept quantized where the layer takes it
+            owner = module.get_submodule(target.rpartition(".")[0])
+            if target.endswith(".weight") and hasattr(owner, "load_quantized"):
+                try:
+                    owner.load_quantized(tensor, shard)
+                except ValueError as e:
+                    raise ModelLoadError(f"{origin}: tensor {name!r}: {e}") from e
+                loaded.add(f"{target}:{shard}")
+                continue
+            tensor = dequantize(tensor)
         try:
             with torch.no_grad():
                 param.weight_loader(param, tensor.to(param.dtype), *([] if shard is None else [shard]))

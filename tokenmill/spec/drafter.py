@@ -51,7 +51,7 @@ class EarlyExit(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
                 meta, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         body = self.target.model
-        h = nn.functional.embedding(input_ids, body.embed_tokens.weight)
+        h = body.embed_tokens(input_ids)
         rope = body.rotary(positions)
         residual = None
         for layer, kv_cache in zip(body.layers[:self.num_layers], kv_caches):

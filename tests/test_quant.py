@@ -1,0 +1,235 @@
+"""Quantized weights (model/quant.py, kernels/csrc/quant_ops.h): each format against its float
+reference, GGUF blocks kept as the file has them, and whole models loaded quantized."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.tiny_models import make_hf_model, write_tiny_gguf
+from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.model import quant as Q
+from tokenmill.model.layers import Linear
+from tokenmill.model.loader import load_model
+from tokenmill.runner.batch import Chunk
+from tokenmill.runner.model_runner import ModelRunner
+
+OPS = cpu_kernels.load()
+needs_kernels = pytest.mark.skipif(OPS is None, reason="CPU kernels not built (no compiler)")
+
+SHAPES = [(96, 64), (50, 96), (256, 576)]
+
+
+def weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0] = 0.0  # an all-zero row: scales must not divide by zero
+    w[1, :32] = 0.3  # a constant group
+    return w
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int8_round_trip_within_half_a_step(n, k):
+    w = weights(n, k)
+    qw = Q.quantize_int8(w)
+    assert qw.qweight.dtype == torch.int8 and qw.group_size == k
+    err = (Q.dequantize(qw) - w).abs()
+    assert torch.all(err <= qw.scales * (0.5 + 1e-5))  # + float32 rounding of w / scale
+    assert torch.isfinite(Q.dequantize(qw)).all()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int4_round_trip_within_half_a_step(n, k):
+    w = weights(n, k)
+    qw = Q.quantize_int4(w)
+    assert qw.bits == 4 and qw.qweight.shape == (n, k // 2) and qw.scales.shape == (n, k // 32)
+    step = qw.scales.float().repeat_interleave(32, dim=1)
+    err = (Q.dequantize(qw) - w).abs()
+    # half a step, plus float16's rounding of the offset (relative 2^-11 of the group's minimum)
+    slack = w.abs().view(n, k // 32, 32).amax(-1).repeat_interleave(32, dim=1) * 2.0 ** -10
+    assert torch.all(err <= step / 2 + slack + 1e-7)
+    # the maximum and minimum of each group are represented (up to float16 rounding)
+    assert torch.all(err[1, :32] <= 0.3 * 2.0 ** -10)
+
+
+def test_int4_keeps_float32_scales_where_float16_cannot_hold_them():
+    w = weights(8, 64) * 1e-5  # steps below float16's normal range
+    qw = Q.quantize_int4(w)
+    assert qw.scales.dtype == torch.float32
+    assert (Q.dequantize(qw) - w).abs().max() <= qw.scales.max() / 2 * 1.001
+    assert Q.quantize_int4(weights(8, 64)).scales.dtype == torch.float16
+
+
+def test_int4_needs_groups_of_32():
+    with pytest.raises(ValueError, match="groups"):
+        Q.quantize_int4(torch.randn(4, 48))
+
+
+def _formats(n: int, k: int) -> list[Q.QuantWeight]:
+    w = weights(n, k, seed=n + k)
+    return [Q.quantize_int8(w), Q.quantize_int4(w), Q.quantize_int4(w * 1e-5)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_products_equal_the_dequantized_weights(n, k, rows, dtype):
+    """The kernel multiplies straight from the bytes; its products are those of the weights
+    the reference dequantizes (float32 up to the order of the sums)."""
+    x = torch.randn(rows, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    for qw in _formats(n, k):
+        y = OPS.quant_linear(x, qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size, bias)
+        ref = x.double() @ Q.dequantize(qw).double().T + bias.double()
+        assert y.dtype == dtype and y.shape == (rows, n)
+        tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
+        assert ((y.double() - ref).abs() / ref.abs().max()).max() < tol, qw.kind
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_dequantization_is_bit_exact(n, k, dtype):
+    for qw in _formats(n, k):
+        got = OPS.quant_dequantize(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size, dtype)
+        assert torch.equal(got, Q.dequantize(qw, dtype)), qw.kind
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, Q.DENSE_ROWS, Q.DENSE_ROWS + 1, 100])
+def test_quant_linear_paths_agree(rows):
+    """Kernel from the bytes (few rows), dequantize + GEMM (many rows) and the PyTorch
+    fallback without kernels: one result."""
+    qw = Q.quantize_int4(weights(64, 96))
+    x = torch.randn(rows, 96)
+    ref = x @ Q.dequantize(qw).T
+    for ops in (OPS, None):
+        assert torch.allclose(Q.quant_linear(x, qw, None, ops), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.skipif(OPS is None or not OPS.has_int8_dot, reason="no AVX512-VNNI")
+@pytest.mark.parametrize("n,k", [(96, 64), (50, 100), (256, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_w8a8_equals_quantized_activations_times_int8_weights(n, k, rows):
+    w = weights(n, k)
+    qw = Q.quantize_int8(w)
+    Q.use_int8_activations(qw)
+    x = torch.randn(rows, k)
+    x[0, :7] = 0.0
+    y = Q.quant_linear(x, qw, None, OPS)
+    sx = (x.abs().amax(1, keepdim=True) / 127).clamp_min(1e-30)
+    xq = torch.round(x / sx).clamp(-127, 127) * sx
+    wd = Q.dequantize(qw).double()
+    ref = xq.double() @ wd.T
+    assert ((y.double() - ref).abs() / ref.abs().max()).max() < 1e-5
+    # and against the float product: within the two roundings' bound
+    bound = (sx.double() / 2) @ wd.abs().sum(1, keepdim=True).T \
+        + x.abs().double() @ (qw.scales.double() / 2).expand(n, k).T
+    assert torch.all((y.double() - x.double() @ w.double().T).abs() <= bound + 1e-6)
+
+
+def test_w8a8_needs_per_channel_int8():
+    with pytest.raises(ValueError):
+        Q.use_int8_activations(Q.quantize_int4(weights(8, 64)))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_kept_exactly(qtype):
+    """GGUF blocks repacked without a float round trip: the same weights as the gguf
+    package's dequantization, bit for bit, and (with the kernels) the same products."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = weights(40, 96, seed=3).numpy()
+    raw = quants.quantize(w, GGMLQuantizationType[qtype])
+    reference = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[qtype]))
+    qw = Q.from_gguf_blocks(raw, qtype, (40, 96))
+    assert qw.kind == qtype.lower() and qw.scales.dtype == torch.float16
+    assert torch.equal(Q.dequantize(qw), reference)
+    if OPS is not None:
+        x = torch.randn(3, 96)
+        y = OPS.quant_linear(x, qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size, None)
+        assert torch.allclose(y, F.linear(x, reference), atol=1e-5, rtol=1e-5)
+
+
+def test_concat_rows_joins_one_format_only():
+    a, b = Q.quantize_int4(weights(8, 64)), Q.quantize_int4(weights(16, 64, seed=1))
+    joined = Q.concat_rows([a, b])
+    assert joined.shape == (24, 64)
+    assert torch.equal(Q.dequantize(joined), torch.cat([Q.dequantize(a), Q.dequantize(b)]))
+    assert Q.concat_rows([a, Q.quantize_int8(weights(8, 64))]) is None
+
+
+# ---- whole models ------------------------------------------------------------------------
+
+def _logits(loaded, ids: list[int]) -> torch.Tensor:
+    runner = ModelRunner(loaded, num_blocks=32, block_size=4)
+    table = list(range(1, -(-len(ids) // 4) + 1))
+    return runner.forward([Chunk(ids, 0, table)], all_logits=True)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("arch", ["llama", "smollm2"])  # q/k rows permuted; tied embedding
+def test_quantized_gguf_model_runs_from_its_blocks(tmp_path, qtype, arch):
+    hf = make_hf_model(arch)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(hf, path, arch if arch == "llama" else "llama", qtype)
+    ids = [3, 17, 42, 5, 88, 1, 60, 29, 11]
+    dense = load_model(str(path), "cpu", "float32", "torch", "none")
+    kept = load_model(str(path), "cpu", "float32", "auto", "auto")
+    linears = [m for m in kept.model.modules() if isinstance(m, Linear)]
+    assert all(m.quant is not None and m.weight is None for m in linears)
+    assert kept.quantization.startswith(qtype.lower())
+    if arch == "smollm2":  # tied: the embedding is looked up from the output layer's blocks
+        assert kept.model.model.embed_tokens.quant is kept.model.lm_head.quant
+    # same weights, so the same logits (float32, up to the order of the sums)
+    assert torch.allclose(_logits(kept, ids), _logits(dense, ids), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quantization,tol", [("int8", 0.05), ("int4", 0.25)])
+def test_float_model_quantized_at_load(tmp_path, quantization, tol):
+    from tests.tiny_models import save_hf_model
+
+    path = save_hf_model(make_hf_model("smollm2"), tmp_path / "hf")
+    ids = [3, 17, 42, 5, 88, 1, 60, 29, 11]
+    dense = _logits(load_model(str(path), "cpu", "float32", "auto", "none"), ids)
+    loaded = load_model(str(path), "cpu", "float32", "auto", quantization)
+    assert loaded.model.lm_head.quant.kind == "int8"  # the output layer keeps 8 bits
+    kinds = {m.quant.kind for m in loaded.model.modules()
+             if isinstance(m, Linear) and m is not loaded.model.lm_head}
+    assert kinds == {quantization}
+    got = _logits(loaded, ids)
+    rel = (got - dense).abs().max() / dense.abs().max()
+    assert 0 < rel < tol  # changed (it is quantized), but not by much
+
+
+def test_auto_leaves_float_checkpoints_alone(tmp_path):
+    from tests.tiny_models import save_hf_model
+
+    path = save_hf_model(make_hf_model("llama"), tmp_path / "hf")
+    loaded = load_model(str(path), "cpu", "float32", "auto", "auto")
+    assert loaded.quantization == "none"
+    assert all(m.quant is None for m in loaded.model.modules() if isinstance(m, Linear))
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="int5"):
+        load_model("smollm2-135m-instruct", quantization="int5")
+
+
+def test_default_model_keeps_its_gguf_blocks(default_gguf_path):
+    """The default model's Q4_1 layers and Q8_0 table, repacked: the weights equal the float
+    model's (which dequantizes the same blocks through the gguf package), q/k rows included."""
+    dense = load_model(str(default_gguf_path), "cpu", "float32", "torch", "none")
+    kept = load_model(str(default_gguf_path), "cpu", "float32", "torch", "auto")
+    assert kept.quantization == "q4_1 x120, q8_0 x1"
+    for (name, m), m_dense in zip(kept.model.named_modules(), dense.model.modules()):
+        if isinstance(m, Linear):
+            w = Q.dequantize(m.quant)
+            ref = m_dense.weight if m_dense.weight is not None else m_dense.packed.to_dense()
+            assert torch.equal(w, ref), name
+            # the file's own size per weight: Q4_1 20 bytes per 32, Q8_0 34
+            per_block = 20 if m.quant.kind == "q4_1" else 34
+            assert m.quant.nbytes() == w.numel() // 32 * per_block
