@@ -178,6 +178,9 @@ def main() -> int:
     ap.add_argument("--base-port", type=int, default=8100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="two tiny points, to try the set-up")
+    ap.add_argument("--points", default=None,
+                    help="comma-separated point names to run (e.g. 'random c=1,random c=32'); "
+                         "default: all")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--report-only", action="store_true",
                     help="rewrite compare.md and the plot from compare.json; run nothing")
@@ -197,6 +200,12 @@ def main() -> int:
         else:
             print(f"skipping {name}: not installed under {root}", file=sys.stderr)
     points = QUICK if args.quick else POINTS
+    if args.points:
+        wanted = [p.strip() for p in args.points.split(",")]
+        unknown = set(wanted) - {p[0] for p in points}
+        if unknown:
+            ap.error(f"unknown points {sorted(unknown)}; choose from {[p[0] for p in points]}")
+        points = [p for p in points if p[0] in wanted]
     json_path = args.out / "compare.json"
     data = json.loads(json_path.read_text()) if args.resume and json_path.exists() else {}
     data["machine"] = machine_facts(names, root)

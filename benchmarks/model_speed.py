@@ -1,6 +1,7 @@
 """Load time, resident memory and single-request decode speed of one model.
 
     python benchmarks/model_speed.py [MODEL] [--prompt-len 128] [--new-tokens 128] [--device cpu]
+        [--dtype float32] [--quantization none|auto|int8|int4] [--kv-cache-dtype auto|int8]
 
 Decoding is greedy through the paged KV cache (one request, no batching), the figure the
 model-runtime issue asks for. Prints one JSON object.
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="none", choices=["none", "auto", "int8", "int4"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
@@ -41,11 +44,12 @@ def main() -> None:
 
     t_import = time.perf_counter() - t0
     t1 = time.perf_counter()
-    loaded = load_model(args.model, args.device, args.dtype)
+    loaded = load_model(args.model, args.device, args.dtype, quantization=args.quantization)
     t_load = time.perf_counter() - t1
     rss_after_load = rss_mib()
     total = args.prompt_len + args.new_tokens
-    runner = ModelRunner(loaded, num_blocks=-(-total // 16), block_size=16, device=args.device)
+    runner = ModelRunner(loaded, num_blocks=-(-total // 16), block_size=16, device=args.device,
+                         kv_cache_dtype=args.kv_cache_dtype)
     prompt = [(7 * i + 11) % loaded.config.vocab_size for i in range(args.prompt_len)]
     runner.greedy_generate(prompt, 8)  # warm-up
 
@@ -68,6 +72,7 @@ def main() -> None:
         decode_tps.append((args.new_tokens - 1) / (time.perf_counter() - t))
     result = {
         "model": str(loaded.source.path), "device": args.device, "dtype": args.dtype,
+        "weights": loaded.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "threads": torch.get_num_threads(),
         "import_s": round(t_import, 2), "load_s": round(t_load, 2),
         "rss_after_load_mib": round(rss_after_load), "peak_rss_mib":

@@ -277,7 +277,13 @@ class LlamaCppPeer(Peer):
 
 
 PEERS: dict[str, Peer] = {p.name: p for p in (
-    TokenmillPeer(), TokenmillPeer("tokenmill-fp32", "float32"), VLLMPeer(),
+    TokenmillPeer(), TokenmillPeer("tokenmill-fp32", "float32"),
+    # quantized weights (the GGUF's own Q4_1/Q8_0 blocks with "auto") and the int8 KV cache
+    TokenmillPeer("tokenmill-gguf-q", extra=("--quantization", "auto")),
+    TokenmillPeer("tokenmill-int8", extra=("--quantization", "int8")),
+    TokenmillPeer("tokenmill-int4", extra=("--quantization", "int4")),
+    TokenmillPeer("tokenmill-kv-int8", extra=("--kv-cache-dtype", "int8")),
+    VLLMPeer(),
     VLLMPeer("vllm-fp32", "float32"), LlamaCppPeer(), HFPeer())}
 
 
