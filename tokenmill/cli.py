@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: ``generate``, ``chat``, ``serve`` and ``bench``.
+"""The ``tokenmill`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``eval``.
 
 The only place that reads the environment and turns user input into config objects.
 """
@@ -148,7 +148,29 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench.main import add_bench_parser
 
     add_bench_parser(sub)
+    _add_eval_parser(sub)
     return parser
+
+
+def _add_eval_parser(sub) -> None:
+    evals = sub.add_parser("eval", help="quality checks of a model as the engine runs it")
+    ppl = evals.add_subparsers(dest="eval_command", required=True).add_parser(
+        "perplexity", help="perplexity on a fixed text (weights and KV cache as configured)")
+    _add_engine_args(ppl)
+    ppl.add_argument("--text", default=None,
+                     help="a UTF-8 text file (default: the shipped tokenmill/eval/data/eval.txt)")
+    ppl.add_argument("--context", type=int, default=None,
+                     help="tokens per window (default: 1024, at most the model's length)")
+    ppl.add_argument("--stride", type=int, default=None,
+                     help="tokens between window starts; each window after the first scores "
+                          "its last STRIDE tokens (default: half the context)")
+    ppl.add_argument("--chunk", type=int, default=256,
+                     help="prefill each window through the paged KV cache in chunks of at most "
+                          "this many tokens (default: 256)")
+    ppl.add_argument("--max-tokens", type=int, default=None,
+                     help="score at most this many tokens (default: the whole text)")
+    ppl.add_argument("--json", action="store_true", help="print the result as a JSON object")
+    ppl.set_defaults(func=_cmd_eval_perplexity)
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -293,6 +315,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, limits=_limits(args),
         public_metrics=args.public_metrics, step_timeout=args.step_timeout)
     return run_server(_make_llm(args).engine, settings, args.log_level)
+
+
+def _cmd_eval_perplexity(args: argparse.Namespace) -> int:
+    import json
+
+    from tokenmill.eval.perplexity import load_text, perplexity
+
+    text = load_text(args.text)  # before the model loads: a bad path fails at once
+    result = perplexity(args.model, text, context=args.context, stride=args.stride,
+                        chunk=args.chunk, max_tokens=args.max_tokens, **engine_options(args))
+    print(json.dumps(result.to_dict()) if args.json else result.summary())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
