@@ -3,6 +3,7 @@ decode batches at several context lengths, a shared-prefix decode batch (cascade
 chunks. One layer per call; per-step cost is ~30x (the model's layers).
 
     python3 benchmarks/attention_speed.py [--dtype float32|bfloat16] [--backends torch,cpu]
+                                          [--kv-cache-dtype auto|int8]
 """
 
 from __future__ import annotations
@@ -49,19 +50,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backends", default="torch,cpu")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     args = ap.parse_args()
     import random
 
     dtype = getattr(torch, args.dtype)
     results = {"machine": machine(), "threads": torch.get_num_threads(), "dtype": args.dtype,
-               "ms_per_layer": {}}
+               "kv_cache_dtype": args.kv_cache_dtype, "ms_per_layer": {}}
     for name, case in CASES.items():
         row = {}
         for backend in args.backends.split(","):
             be = get_backend(backend)
             chunks, kv, q, k, v, _ = make_case(random.Random(0), heads=HEADS, kv_heads=KV_HEADS,
                                                head_dim=HEAD_DIM, block_size=BLOCK, dtype=dtype,
-                                               backend=backend, **case)
+                                               backend=backend,
+                                               kv_cache_dtype=args.kv_cache_dtype, **case)
 
             def call():
                 meta = build_flat_batch(chunks, BLOCK, "cpu").meta

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.attention.kv_quant import is_quantized, pack
+
 
 @dataclass
 class AttentionMetadata:
@@ -46,8 +48,11 @@ class AttentionBackend(ABC):
     """Computes causal attention of a flat batch over a paged KV cache.
 
     ``kv_cache`` is ``(k_cache, v_cache)``, each ``(num_blocks, block_size, num_kv_heads,
-    head_dim)``. ``forward`` first stores the new ``k``/``v`` at ``meta.slot_mapping``, then
-    attends each request's queries to all of its cached keys (prefix included), causally.
+    head_dim)`` in the compute dtype, or int8 ``(..., head_dim + kv_quant.SCALE_BYTES)``: values
+    with a float16 scale per (token, head) (``runner/kv_cache.py``). ``forward`` first stores the
+    new ``k``/``v`` at ``meta.slot_mapping`` (quantizing them for an int8 cache), then attends
+    each request's queries to all of its cached keys (prefix included), causally. Every backend
+    reads both kinds of cache.
     """
 
     name: str = "abstract"
@@ -55,11 +60,13 @@ class AttentionBackend(ABC):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
         """Write K/V of tokens at their slots, in this backend's layout inside a block (the
-        reference: token-major, as the cache's shape reads)."""
+        reference: token-major, as the cache's shape reads; int8 rows hold their scale)."""
         k_cache, v_cache = kv_cache
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        row_shape = k_cache.shape[-2:]  # (num_kv_heads, head_dim [+ SCALE_BYTES])
+        if is_quantized(k_cache):
+            k, v = pack(k), pack(v)
+        k_cache.view(-1, *row_shape).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *row_shape).index_copy_(0, slot_mapping, v)
 
     @abstractmethod
     def forward(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
+from tokenmill.attention.kv_quant import cache_head_dim
 from tokenmill.attention.torch_ref import TorchReferenceBackend
 
 # Query tokens of one request computed together; a larger tile shares each K/V load more
@@ -106,7 +107,13 @@ class CpuPagedBackend(AttentionBackend):
     """K is kept transposed inside each block, ``(KVH, head_dim, block_size)`` per block (V as
     the reference keeps it), so a block's keys for one head are contiguous and a query's
     scores for a run of keys are plain vector FMAs; ``store_kv`` writes that layout. A model
-    whose head size the kernel does not take runs on the reference instead (layout included)."""
+    whose head size the kernel does not take runs on the reference instead (layout included).
+
+    An int8 cache (``runner/kv_cache.py``) keeps the same arrangement with its scales beside
+    the values: per block and head, K is ``head_dim`` rows of ``block_size`` int8 then the
+    block's ``block_size`` float16 scales; V is token-major rows of ``head_dim`` int8 and the
+    float16 scale. The kernel reads the int8 values in place and applies the K scale to each
+    score and the V scale to each probability, so no block is ever dequantized to memory."""
 
     name = "cpu"
 
@@ -117,7 +124,7 @@ class CpuPagedBackend(AttentionBackend):
 
     def _reference_for(self, kv_cache) -> TorchReferenceBackend | None:
         k_cache = kv_cache[0]
-        shape = (k_cache.shape[-1], k_cache.shape[1])  # head_dim, block_size
+        shape = (cache_head_dim(k_cache), k_cache.shape[1])  # head_dim, block_size
         if shape != self._checked:
             self._checked = shape
             self._fallback = None if self.ops.supports(*shape) else TorchReferenceBackend()

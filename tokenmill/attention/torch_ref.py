@@ -4,6 +4,11 @@ Decode tokens of all requests are attended in one batched call; requests with se
 tokens (prompt chunks) are attended one by one, where the work is compute-bound anyway.
 Grouped-query attention is done by folding the query heads that share a KV head into the
 query-length axis, so K/V are never repeated per query head.
+
+Cache layout: token-major, ``(num_blocks, block_size, num_kv_heads, head_dim)`` in the compute
+dtype; or int8 ``(num_blocks, block_size, num_kv_heads, head_dim + 2)``, each (token, head) row
+its int8 values then its float16 scale (``kv_quant``). An int8 cache is dequantized as it is
+gathered (only the blocks a call reads), so the attention itself is the same code.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
+from tokenmill.attention.kv_quant import is_quantized, unpack
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -33,14 +39,20 @@ class TorchReferenceBackend(AttentionBackend):
         return out
 
 
-def _gather_kv(kv_cache, block_table: torch.Tensor, seq_len: int):
+def _read_blocks(cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``ids`` of a cache, (len(ids), block_size, kv_heads, head_dim), in ``dtype``."""
+    blocks = cache.index_select(0, ids)
+    return unpack(blocks, dtype) if is_quantized(cache) else blocks
+
+
+def _gather_kv(kv_cache, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype):
     """K/V of one request's first seq_len tokens, read through its block table."""
     k_cache, v_cache = kv_cache
     block_size = k_cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     ids = block_table[:num_blocks]
-    k = k_cache.index_select(0, ids).flatten(0, 1)[:seq_len]  # (seq_len, kv_heads, head_dim)
-    v = v_cache.index_select(0, ids).flatten(0, 1)[:seq_len]
+    k = _read_blocks(k_cache, ids, dtype).flatten(0, 1)[:seq_len]  # (seq_len, kvh, head_dim)
+    v = _read_blocks(v_cache, ids, dtype).flatten(0, 1)[:seq_len]
     return k, v
 
 
@@ -48,7 +60,7 @@ def _prefill_one(q: torch.Tensor, kv_cache, meta: AttentionMetadata, r: int,
                  scale: float) -> torch.Tensor:
     qlen, num_heads, head_dim = q.shape
     seq_len = meta.seq_lens_host[r]
-    k, v = _gather_kv(kv_cache, meta.block_tables[r], seq_len)
+    k, v = _gather_kv(kv_cache, meta.block_tables[r], seq_len, q.dtype)
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     # Query i sits at absolute position ctx + i and may see keys 0..ctx+i.
@@ -92,8 +104,8 @@ def _batched_decode(q: torch.Tensor, kv_cache, block_tables: torch.Tensor,
     ids = block_tables[:, :num_blocks].reshape(-1)
     kv_shape = (num_reqs, num_blocks * block_size, num_kv_heads, head_dim)
     # (reqs, blocks * block_size, kvh, d) -> (reqs, kvh, L, d)
-    k = k_cache.index_select(0, ids).view(kv_shape)[:, :max_len].transpose(1, 2)
-    v = v_cache.index_select(0, ids).view(kv_shape)[:, :max_len].transpose(1, 2)
+    k = _read_blocks(k_cache, ids, q.dtype).view(kv_shape)[:, :max_len].transpose(1, 2)
+    v = _read_blocks(v_cache, ids, q.dtype).view(kv_shape)[:, :max_len].transpose(1, 2)
     mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # (reqs, L)
     qg = q.view(num_reqs, num_kv_heads, group, head_dim)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)

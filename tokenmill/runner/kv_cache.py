@@ -1,36 +1,72 @@
-"""The paged KV cache tensors: per layer, K and V of shape
-``(num_blocks, block_size, num_kv_heads, head_dim)``.
+"""The paged KV cache tensors: per layer a ``(k_cache, v_cache)`` pair, each
+``(num_blocks, block_size, num_kv_heads, head_dim)`` in the compute dtype.
 
     block id:      0          1          2          3   ...
                  +----------+----------+----------+----------+
     K, layer l   | 16 slots | 16 slots | 16 slots | 16 slots |  each slot: (kv_heads, head_dim)
                  +----------+----------+----------+----------+
     request A's block table [2, 0]: token 17 lives in block 0, offset 1 (slot 1).
+
+``kv_cache_dtype="int8"`` (``--kv-cache-dtype int8``): K and V are stored as int8 with a float16
+scale per (token, KV head), symmetric (scale = absmax / 127 rounded up to float16, see
+``attention/kv_quant.py``). The scales live in the same int8 tensors, two bytes after each
+(token, head)'s values, so the pair of tensors stays a pair:
+
+    k_cache, v_cache: int8 (num_blocks, block_size, num_kv_heads, head_dim + 2)
+
+    reference layout (torch backend; V of the cpu backend), one (token, head) row:
+        | q_0 q_1 ... q_{head_dim-1} | scale (float16, 2 bytes) |
+    cpu backend's K, the same bytes of one block read per head as (head_dim + 2, block_size):
+        | head_dim rows of block_size int8: keys transposed | block_size float16 scales |
+
+Bytes per (token, head) for head_dim 64: 66 (int8) against 128 (bfloat16 / float16) and 256
+(float32), so the same budget holds 64/33 = 1.94x the tokens of bf16 and 3.88x of float32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tokenmill.attention.kv_quant import SCALE_BYTES
 from tokenmill.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+
+
+def kv_row_shape(cfg: ModelConfig, dtype: torch.dtype,
+                 kv_cache_dtype: str = "auto") -> tuple[tuple[int, int], torch.dtype]:
+    """One slot's shape, (num_kv_heads, head_dim [+ scale bytes]), and the cache tensors' dtype."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "int8":
+        if cfg.head_dim % 2:
+            raise ValueError(f"an int8 KV cache needs an even head_dim, not {cfg.head_dim}")
+        return (cfg.num_kv_heads, cfg.head_dim + SCALE_BYTES), torch.int8
+    return (cfg.num_kv_heads, cfg.head_dim), dtype
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                     kv_cache_dtype: str = "auto") -> int:
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # K and V, every layer
-    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+    """Bytes of K and V, every layer, for one block of tokens (int8: values and scales)."""
+    (heads, row), cache_dtype = kv_row_shape(cfg, dtype, kv_cache_dtype)
+    element = torch.tensor([], dtype=cache_dtype).element_size()
+    return 2 * cfg.num_layers * block_size * heads * row * element
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
                       device: torch.device | str, dtype: torch.dtype,
                       kv_cache_dtype: str = "auto") -> list[KVCache]:
-    if kv_cache_dtype != "auto":
-        raise ValueError(f"KV cache dtype {kv_cache_dtype!r} is not supported")
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    row_shape, cache_dtype = kv_row_shape(cfg, dtype, kv_cache_dtype)
+    shape = (num_blocks, block_size, *row_shape)
+    return [(torch.zeros(shape, dtype=cache_dtype, device=device),
+             torch.zeros(shape, dtype=cache_dtype, device=device))
+            for _ in range(cfg.num_layers)]
 
 
 def available_memory_bytes(device: torch.device | str) -> int:
@@ -62,6 +98,7 @@ def num_kv_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
     """Blocks of KV cache to allocate: given outright, from a byte budget, or from free memory.
     ``extra_bytes_per_block``: what each block costs elsewhere too (a draft model's cache of as
     many tokens), paid from the same budget."""
+    check_kv_cache_dtype(kv_cache_dtype)
     if num_blocks is not None:
         return num_blocks
     budget = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_bytes(device)

@@ -7,6 +7,8 @@
 // and the log-sum-exp of every (token, head) is returned, so partial results over different
 // key ranges (cascade attention: a shared prefix attended once for many sequences, then each
 // sequence's own blocks) merge exactly. K is stored transposed inside each block (store_kv).
+// The cache is in q's dtype or int8 with a float16 scale per (token, head), read in place: the
+// K scale multiplies each score, the V scale each probability (no dequantized copy).
 //
 // linear_bf16_rows: a bf16 linear layer for one to four rows of input (AVX512-BF16).
 // rms_norm, rope_, silu_and_mul: a decoder layer's elementwise steps, fused, for bf16/fp16.
@@ -28,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -105,6 +108,7 @@ struct Vec {
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Vec {
@@ -130,6 +134,7 @@ struct Vec {
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+  static Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
 };
 #else
 struct Vec {  // no AVX2: eight plain lanes, which the compiler vectorises as it can
@@ -156,6 +161,10 @@ struct Vec {  // no AVX2: eight plain lanes, which the compiler vectorises as it
     for (int64_t i = 0; i < W; ++i) a.v[i] += b.v[i];
     return a;
   }
+  static Vec mul(Vec a, Vec b) {
+    for (int64_t i = 0; i < W; ++i) a.v[i] *= b.v[i];
+    return a;
+  }
 };
 #endif
 
@@ -166,16 +175,57 @@ struct Vec {  // no AVX2: eight plain lanes, which the compiler vectorises as it
 // reference, K transposed per block and head, (num_blocks, KVH, D, block_size), stored by
 // store_kv. A block's keys for one head are then 2-4 KB of contiguous memory, and the scores
 // of one query row for W keys at once are D register FMAs with no horizontal sums.
+//
+// int8 cache (tensors (num_blocks, block_size, KVH, D + 2)): each (token, head) has a float16
+// scale, x ~= q * scale. V: a token's row per head is D int8 then its scale's 2 bytes. K: per
+// block and head, D rows of block_size int8 (transposed as above), then the block's
+// block_size scales (2 * block_size bytes), (num_blocks, KVH, D + 2, block_size) bytes in all.
+// The scores are score_t = scale_k[t] * sum_d q_d k_d and the values
+// acc += (p_t * scale_v[t]) * v_t, read from the int8 rows in place.
 
-inline int64_t k_offset(int64_t block, int64_t head, int64_t num_kv_heads, int64_t head_dim,
+template <typename C>  // bytes of scale after each (token, head)'s values: float16 for int8
+constexpr int64_t kScaleBytes = std::is_same<C, int8_t>::value ? 2 : 0;
+
+// row: elements per (token, head) in the cache, head_dim + kScaleBytes<C>
+inline int64_t k_offset(int64_t block, int64_t head, int64_t num_kv_heads, int64_t row,
                         int64_t block_size) {
-  return (block * num_kv_heads + head) * head_dim * block_size;
+  return (block * num_kv_heads + head) * row * block_size;
+}
+
+inline float half_at(const int8_t* p) {  // the float16 stored at p (any alignment)
+  at::Half h;
+  std::memcpy(&h.x, p, sizeof(h.x));
+  return static_cast<float>(h);
+}
+
+// the smallest float16 >= s >= 0, saturating at 65504 (so |x| / scale <= 127: nothing clips)
+inline at::Half round_up_half(float s) {
+  at::Half h(s);
+  if (static_cast<float>(h) < s) h.x = static_cast<uint16_t>(h.x + 1);
+  if (h.x > 0x7BFF) h.x = 0x7BFF;
+  return h;
+}
+
+// q[i * q_stride] = clamp(round(x[i] / scale), -127, 127), scale = absmax / 127 rounded up to
+// float16 (0 for a zero vector, whose q are 0); the same bytes as attention/kv_quant.py
+template <typename T>
+inline at::Half quantize_row(const T* x, int8_t* q, int64_t n, int64_t q_stride) {
+  float absmax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(static_cast<float>(x[i])));
+  const at::Half scale = round_up_half(absmax / 127.0f);
+  const float s = static_cast<float>(scale) > 0.0f ? static_cast<float>(scale) : 1.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = std::nearbyint(static_cast<float>(x[i]) / s);
+    q[i * q_stride] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+  }
+  return scale;
 }
 
 // scores of R rows (scaled queries, float32, row stride N * W) for the W keys at kt[.. + kc]
+// (an int8 cache's: times the keys' scales ks[kc ..])
 template <int64_t N, int64_t R, typename T>
-inline void rows_scores(const float* q, const T* kt, int64_t block_size, int64_t kc, float* sc,
-                        int64_t sc_stride) {
+inline void rows_scores(const float* q, const T* kt, const float* ks, int64_t block_size,
+                        int64_t kc, float* sc, int64_t sc_stride) {
   constexpr int64_t D = N * Vec::W;
   Vec a[R], b[R];
   for (int64_t r = 0; r < R; ++r) a[r] = b[r] = Vec::zero();
@@ -187,23 +237,29 @@ inline void rows_scores(const float* q, const T* kt, int64_t block_size, int64_t
       b[r] = Vec::fma(Vec::set1(q[r * D + d + 1]), k1, b[r]);
     }
   }
-  for (int64_t r = 0; r < R; ++r) Vec::add(a[r], b[r]).store(sc + r * sc_stride + kc);
+  if constexpr (std::is_same<T, int8_t>::value) {
+    const Vec scale = Vec::load(ks + kc);
+    for (int64_t r = 0; r < R; ++r)
+      Vec::mul(Vec::add(a[r], b[r]), scale).store(sc + r * sc_stride + kc);
+  } else {
+    for (int64_t r = 0; r < R; ++r) Vec::add(a[r], b[r]).store(sc + r * sc_stride + kc);
+  }
 }
 
 template <int64_t N, typename T>
-void block_scores(const float* qbuf, const T* kt, float* sc, int64_t nrows, int64_t nvalid,
-                  int64_t block_size) {
+void block_scores(const float* qbuf, const T* kt, const float* ks, float* sc, int64_t nrows,
+                  int64_t nvalid, int64_t block_size) {
   for (int64_t kc = 0; kc < nvalid; kc += Vec::W) {
     int64_t row = 0;
     for (; row + 4 <= nrows; row += 4)
-      rows_scores<N, 4>(qbuf + row * N * Vec::W, kt, block_size, kc, sc + row * block_size,
-                        block_size);
+      rows_scores<N, 4>(qbuf + row * N * Vec::W, kt, ks, block_size, kc,
+                        sc + row * block_size, block_size);
     const float* q = qbuf + row * N * Vec::W;
     float* s = sc + row * block_size;
     switch (nrows - row) {
-      case 3: rows_scores<N, 3>(q, kt, block_size, kc, s, block_size); break;
-      case 2: rows_scores<N, 2>(q, kt, block_size, kc, s, block_size); break;
-      case 1: rows_scores<N, 1>(q, kt, block_size, kc, s, block_size); break;
+      case 3: rows_scores<N, 3>(q, kt, ks, block_size, kc, s, block_size); break;
+      case 2: rows_scores<N, 2>(q, kt, ks, block_size, kc, s, block_size); break;
+      case 1: rows_scores<N, 1>(q, kt, ks, block_size, kc, s, block_size); break;
       default: break;
     }
   }
@@ -233,7 +289,18 @@ struct WorkItem {
   int64_t req, kv_head, t0, t1;
 };
 
-template <typename T, typename O, int64_t N>
+// An int8 cache's scales of one block for one head, as float32: K's (all block_size of them,
+// after the block's transposed keys) and V's (the first nvalid, each after its token's row).
+inline void block_scales(const int8_t* kt, const int8_t* vblock, int64_t head_dim,
+                         int64_t v_stride, int64_t block_size, int64_t nvalid, float* ks,
+                         float* vs) {
+  const int8_t* kscales = kt + head_dim * block_size;
+  for (int64_t s = 0; s < block_size; ++s) ks[s] = half_at(kscales + 2 * s);
+  for (int64_t s = 0; s < nvalid; ++s) vs[s] = half_at(vblock + s * v_stride + head_dim);
+}
+
+// T: q's dtype; C: the cache's (T, or int8 with scales); O: out's (T or float32)
+template <typename T, typename C, typename O, int64_t N>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& query_start,
                     const at::Tensor& key_start_block, const at::Tensor& key_limit,
@@ -246,9 +313,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t num_reqs = query_start.size(0) - 1;
   const int64_t table_width = block_tables.size(1);
 
+  constexpr bool kInt8 = std::is_same<C, int8_t>::value;
+  constexpr int64_t row_len = head_dim + kScaleBytes<C>;  // one (token, head) in the cache
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* qs = query_start.data_ptr<int64_t>();
   const int64_t* kstart = key_start_block.data_ptr<int64_t>();
@@ -257,8 +326,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   O* op = out.data_ptr<O>();
   float* lp = lse.data_ptr<float>();
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
-  const int64_t v_stride = num_kv_heads * head_dim;  // one token's V in the cache
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  const int64_t v_stride = num_kv_heads * row_len;  // one token's V in the cache
+  constexpr int64_t kLine = 64 / sizeof(C);  // elements per cache line
 
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_reqs; ++r)
@@ -267,7 +336,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         items.push_back({r, h, t0, std::min(t0 + tile, qs[r + 1])});
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf, acc, m, l, sc, tmp(head_dim);
+    std::vector<float> qbuf, acc, m, l, sc, tmp(head_dim), ks(block_size), vs(block_size);
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& w = items[it];
       const int64_t nrows = (w.t1 - w.t0) * group;
@@ -290,19 +359,21 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       for (int64_t b = kstart[w.req]; b * block_size < kmax && b < table_width; ++b) {
         const int64_t base = b * block_size;
         const int64_t nvalid = std::min(block_size, kmax - base);
-        const T* kt = kp + k_offset(table[b], w.kv_head, num_kv_heads, head_dim, block_size);
-        const T* vblock = vp + table[b] * block_size * v_stride + w.kv_head * head_dim;
+        const C* kt = kp + k_offset(table[b], w.kv_head, num_kv_heads, row_len, block_size);
+        const C* vblock = vp + table[b] * block_size * v_stride + w.kv_head * row_len;
         if ((b + 1) * block_size < kmax && b + 1 < table_width) {
           // blocks lie anywhere in the cache: fetch the next one while this one is computed
-          const T* knext = kp + k_offset(table[b + 1], w.kv_head, num_kv_heads, head_dim,
+          const C* knext = kp + k_offset(table[b + 1], w.kv_head, num_kv_heads, row_len,
                                          block_size);
-          for (int64_t e = 0; e < head_dim * block_size; e += kLine) __builtin_prefetch(knext + e);
-          const T* vnext = vp + table[b + 1] * block_size * v_stride + w.kv_head * head_dim;
+          for (int64_t e = 0; e < row_len * block_size; e += kLine) __builtin_prefetch(knext + e);
+          const C* vnext = vp + table[b + 1] * block_size * v_stride + w.kv_head * row_len;
           for (int64_t s = 0; s < block_size; ++s)
-            for (int64_t d = 0; d < head_dim; d += kLine)
+            for (int64_t d = 0; d < row_len; d += kLine)
               __builtin_prefetch(vnext + s * v_stride + d);
         }
-        block_scores<N>(qbuf.data(), kt, sc.data(), nrows, nvalid, block_size);
+        if constexpr (kInt8)
+          block_scales(kt, vblock, head_dim, v_stride, block_size, nvalid, ks.data(), vs.data());
+        block_scores<N>(qbuf.data(), kt, ks.data(), sc.data(), nrows, nvalid, block_size);
         // online softmax, row by row
         for (int64_t row = 0; row < nrows; ++row) {
           const int64_t vis = std::min(nvalid, klimit[w.t0 + row / group] - base);
@@ -323,6 +394,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           }
           l[row] = l[row] * alpha + psum;
           m[row] = m_new;
+          if constexpr (kInt8)  // fold V's scale into the probability: (p_t * scale_v) * v_t
+            for (int64_t s = 0; s < vis; ++s) srow[s] *= vs[s];
           if (alpha != 1.0f) {
             float* arow = &acc[row * head_dim];
             for (int64_t d = 0; d < head_dim; ++d) arow[d] *= alpha;
@@ -371,7 +444,7 @@ bool supports(int64_t head_dim, int64_t block_size) {
   }
 }
 
-template <typename T, typename O>
+template <typename T, typename C, typename O>
 void attention_dispatch(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables,
                         const at::Tensor& query_start, const at::Tensor& key_start_block,
@@ -380,19 +453,39 @@ void attention_dispatch(const at::Tensor& q, const at::Tensor& k_cache,
   switch (q.size(2) / Vec::W) {
 #define TOKENMILL_CASE(n)                                                                     \
     case n:                                                                                   \
-      return attention_impl<T, O, n>(q, k_cache, v_cache, block_tables, query_start,         \
-                                     key_start_block, key_limit, rows, out, lse, scale,       \
-                                     merge, tile);
+      return attention_impl<T, C, O, n>(q, k_cache, v_cache, block_tables, query_start,      \
+                                        key_start_block, key_limit, rows, out, lse, scale,    \
+                                        merge, tile);
     TOKENMILL_HEAD_VECS(TOKENMILL_CASE)
 #undef TOKENMILL_CASE
     default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", q.size(2));
   }
 }
 
+template <typename C>
+struct TypeTag {
+  using type = C;
+};
+
+// f(TypeTag<C>{}) with C the cache's element type: int8_t for an int8 cache, else q's T
+// (int8 caches are read for float32 / bfloat16 / float16 queries, not float64)
+template <typename T, typename F>
+void with_cache_type(bool int8, const char* op, F&& f) {
+  if constexpr (std::is_same<T, double>::value) {
+    TORCH_CHECK(!int8, op, ": an int8 cache needs float32, bfloat16 or float16 K/V");
+    f(TypeTag<T>{});
+  } else if (int8) {
+    f(TypeTag<int8_t>{});
+  } else {
+    f(TypeTag<T>{});
+  }
+}
+
 // Attention of the queries in ``q`` to the paged K/V (this backend's layout, see above).
-//   q               (T, H, D) float32 / bfloat16 / float16 (the cache's dtype); rows may be
-//                   strided (the q part of a fused qkv projection)
-//   k_cache/v_cache (num_blocks, block_size, KVH, D) tensors; K's blocks hold (KVH, D, bs)
+//   q               (T, H, D) float32 / bfloat16 / float16 (the cache's dtype unless that is
+//                   int8); rows may be strided (the q part of a fused qkv projection)
+//   k_cache/v_cache (num_blocks, block_size, KVH, D) tensors; K's blocks hold (KVH, D, bs);
+//                   or int8 (num_blocks, block_size, KVH, D + 2) with float16 scales
 //   block_tables    (R, W) int64; request r reads blocks key_start_block[r] .. of its row
 //   query_start     (R + 1) int64: request r owns query tokens query_start[r] .. [r + 1] - 1
 //   key_limit       (T') int64: query token t sees keys [key_start_block[r] * block_size,
@@ -409,14 +502,16 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      bool merge, int64_t tile) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q (T, H, D) and caches (blocks, block_size, KVH, D) expected");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((int8 || q.scalar_type() == k_cache.scalar_type()) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_attention: q and the caches must share a dtype");
+              "paged_attention: the caches are int8 or share q's dtype");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be "
               "contiguous (T, H, D)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
                   lse.is_contiguous(), "paged_attention: caches, out and lse must be contiguous");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 &&
+                  q.size(2) + (int8 ? kScaleBytes<int8_t> : 0) == k_cache.size(3),
               "paged_attention: heads must be a multiple of KV heads, head dims equal");
   TORCH_CHECK(supports(q.size(2), k_cache.size(1)), "paged_attention: head_dim ", q.size(2),
               " / block_size ", k_cache.size(1), " not supported (see supports())");
@@ -436,38 +531,50 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               "float32");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
                                   [&] {
-    if (same) {
-      attention_dispatch<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start,
-                                             key_start_block, key_limit, rows, out, lse, scale,
-                                             merge, tile);
-    } else {
-      attention_dispatch<scalar_t, float>(q, k_cache, v_cache, block_tables, query_start,
-                                          key_start_block, key_limit, rows, out, lse, scale,
-                                          merge, tile);
-    }
+    with_cache_type<scalar_t>(int8, "paged_attention", [&](auto cache_type) {
+      using C = typename decltype(cache_type)::type;
+      if (same) {
+        attention_dispatch<scalar_t, C, scalar_t>(q, k_cache, v_cache, block_tables,
+                                                  query_start, key_start_block, key_limit, rows,
+                                                  out, lse, scale, merge, tile);
+      } else {
+        attention_dispatch<scalar_t, C, float>(q, k_cache, v_cache, block_tables, query_start,
+                                               key_start_block, key_limit, rows, out, lse,
+                                               scale, merge, tile);
+      }
+    });
   });
 }
 
-// Store new K/V at their slots in this backend's layout (K transposed per block and head).
-template <typename T>
+// Store new K/V at their slots in this backend's layout (K transposed per block and head;
+// an int8 cache's values quantized, with their scales, see above).
+template <typename T, typename C>
 void store_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                    at::Tensor& v_cache, const at::Tensor& slots) {
   const int64_t tokens = k.size(0), kv_heads = k.size(1), head_dim = k.size(2);
-  const int64_t block_size = k_cache.size(1);
+  const int64_t block_size = k_cache.size(1), row_len = head_dim + kScaleBytes<C>;
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t ks = k.stride(0), vs = v.stride(0), khs = k.stride(1), vhs = v.stride(1);
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t block = sp[t] / block_size, off = sp[t] % block_size;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      T* kdst = kc + k_offset(block, h, kv_heads, head_dim, block_size) + off;
+      C* kblock = kc + k_offset(block, h, kv_heads, row_len, block_size);
+      C* vdst = vc + (sp[t] * kv_heads + h) * row_len;
       const T* ksrc = kp + t * ks + h * khs;
-      for (int64_t d = 0; d < head_dim; ++d) kdst[d * block_size] = ksrc[d];
-      std::memcpy(vc + (sp[t] * kv_heads + h) * head_dim, vp + t * vs + h * vhs,
-                  head_dim * sizeof(T));
+      const T* vsrc = vp + t * vs + h * vhs;
+      if constexpr (std::is_same<C, int8_t>::value) {
+        const at::Half k_scale = quantize_row(ksrc, kblock + off, head_dim, block_size);
+        std::memcpy(kblock + head_dim * block_size + 2 * off, &k_scale.x, 2);
+        const at::Half v_scale = quantize_row(vsrc, vdst, head_dim, 1);
+        std::memcpy(vdst + head_dim, &v_scale.x, 2);
+      } else {
+        for (int64_t d = 0; d < head_dim; ++d) kblock[off + d * block_size] = ksrc[d];
+        std::memcpy(vdst, vsrc, head_dim * sizeof(T));
+      }
     }
   }
 }
@@ -476,14 +583,22 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
               const at::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "store_kv: k, v (T, KVH, D) with unit inner stride");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) &&
-                  k.scalar_type() == k_cache.scalar_type() &&
-                  v.scalar_type() == k_cache.scalar_type(), "store_kv: cache shapes/dtypes");
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == k.size(1) &&
+                  k_cache.size(3) == k.size(2) + (int8 ? kScaleBytes<int8_t> : 0) &&
+                  (int8 || k.scalar_type() == k_cache.scalar_type()) &&
+                  v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kv: cache shapes/dtypes (k's dtype, or int8 with room for the scales)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == k.size(0), "store_kv: one int64 slot per token");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv",
-                                  [&] { store_kv_impl<scalar_t>(k, v, k_cache, v_cache, slots); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
+    with_cache_type<scalar_t>(int8, "store_kv", [&](auto cache_type) {
+      using C = typename decltype(cache_type)::type;
+      store_kv_impl<scalar_t, C>(k, v, k_cache, v_cache, slots);
+    });
+  });
 }
 
 // ---- bfloat16 linear for a few rows (decode at small batch) -----------------------------

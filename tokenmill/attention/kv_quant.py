@@ -1,0 +1,64 @@
+"""int8 KV cache: symmetric quantization with one float16 scale per (token, KV head).
+
+A token's K (or V) vector of one KV head, ``x`` of ``head_dim`` values, is stored as
+
+    scale = absmax(x) / 127, rounded *up* to float16      (0 for an all-zero vector)
+    q     = clamp(round_half_even(x / scale), -127, 127)  int8, so x ~= q * scale
+
+Rounding the scale up keeps ``|x| / scale <= 127``, so no value is clipped and every element's
+error is at most ``scale / 2``. float16 saturates at 65504: vectors with ``absmax > 127 * 65504``
+(~8.3e6, far beyond any working model's K/V) would be clipped. The compiled CPU kernels
+(``kernels/csrc/cpu_ops.cpp``, ``quantize_row``) compute exactly the same bytes.
+
+The scale lives in the same int8 tensor as the values: a cache of ``head_dim`` values per
+(token, head) becomes ``head_dim + SCALE_BYTES`` int8 bytes, the last two holding the scale's
+float16 bits. Which bytes hold what inside a block is each backend's layout (see
+``runner/kv_cache.py``); the helpers here are for the reference layout, token-major rows of
+``(..., head_dim + SCALE_BYTES)``. Pure torch ops: they run on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_BYTES = 2  # a float16 scale after each (token, head)'s int8 values
+_HALF_MAX_BITS = 0x7BFF  # 65504, the largest finite float16
+
+
+def is_quantized(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.int8
+
+
+def cache_head_dim(cache: torch.Tensor) -> int:
+    """head_dim of the K/V vectors a cache tensor holds (its last dim, less the scale bytes)."""
+    return cache.shape[-1] - (SCALE_BYTES if is_quantized(cache) else 0)
+
+
+def round_up_half(s: torch.Tensor) -> torch.Tensor:
+    """float32 ``s >= 0`` -> the smallest float16 >= s (saturating at 65504)."""
+    h = s.to(torch.float16)
+    bits = h.view(torch.int16) + (h.float() < s).to(torch.int16)  # next float16 up
+    return bits.clamp_(max=_HALF_MAX_BITS).view(torch.float16)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (..., D) float -> (int8 values (..., D), float16 scales (...))."""
+    xf = x.float()
+    scale = round_up_half(xf.abs().amax(-1) / 127)
+    s = scale.float().unsqueeze(-1)
+    q = torch.round(xf / torch.where(s > 0, s, 1.0)).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., D) float -> quantized rows (..., D + SCALE_BYTES) int8, the reference layout."""
+    q, scale = quantize(x)
+    return torch.cat([q, scale.unsqueeze(-1).view(torch.int8)], dim=-1)
+
+
+def unpack(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows (..., D + SCALE_BYTES) int8 (last dim contiguous) -> dequantized (..., D) ``dtype``
+    (multiplied in float32, rounded once to ``dtype``)."""
+    d = rows.shape[-1] - SCALE_BYTES
+    scale = rows[..., d:].view(torch.float16)  # (..., 1)
+    return (rows[..., :d].float() * scale.float()).to(dtype)
