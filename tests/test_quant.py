@@ -30,12 +30,15 @@ def weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_int8_round_trip_within_half_a_step(n, k):
+@pytest.mark.parametrize("group", [32, None])  # Q8_0's groups; one scale per feature
+def test_int8_round_trip_within_half_a_step(n, k, group):
     w = weights(n, k)
-    qw = Q.quantize_int8(w)
-    assert qw.qweight.dtype == torch.int8 and qw.group_size == k
+    qw = Q.quantize_int8(w, group)
+    assert qw.qweight.dtype == torch.int8 and qw.group_size == (group or k)
+    assert qw.scales.dtype == (torch.float16 if group else torch.float32)
+    step = qw.scales.float().repeat_interleave(qw.group_size, dim=1)
     err = (Q.dequantize(qw) - w).abs()
-    assert torch.all(err <= qw.scales * (0.5 + 1e-5))  # + float32 rounding of w / scale
+    assert torch.all(err <= step * (0.5 + 1e-5))  # + float32 rounding of w / scale
     assert torch.isfinite(Q.dequantize(qw)).all()
 
 
@@ -68,7 +71,8 @@ def test_int4_needs_groups_of_32():
 
 def _formats(n: int, k: int) -> list[Q.QuantWeight]:
     w = weights(n, k, seed=n + k)
-    return [Q.quantize_int8(w), Q.quantize_int4(w), Q.quantize_int4(w * 1e-5)]
+    return [Q.quantize_int8(w), Q.quantize_int8(w, None), Q.quantize_int4(w),
+            Q.quantize_int4(w * 1e-5)]
 
 
 @needs_kernels
@@ -111,7 +115,7 @@ def test_quant_linear_paths_agree(rows):
 
 @needs_kernels
 @pytest.mark.skipif(OPS is None or not OPS.has_int8_dot, reason="no AVX512-VNNI")
-@pytest.mark.parametrize("n,k", [(96, 64), (50, 100), (256, 576)])
+@pytest.mark.parametrize("n,k", [(96, 64), (50, 96), (256, 576), (7, 32)])  # K % 64: 0, 32
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_w8a8_equals_quantized_activations_times_int8_weights(n, k, rows):
     w = weights(n, k)
@@ -119,21 +123,25 @@ def test_w8a8_equals_quantized_activations_times_int8_weights(n, k, rows):
     Q.use_int8_activations(qw)
     x = torch.randn(rows, k)
     x[0, :7] = 0.0
-    y = Q.quant_linear(x, qw, None, OPS)
+    bias = torch.randn(n)
+    y = Q.quant_linear(x, qw, bias, OPS)
     sx = (x.abs().amax(1, keepdim=True) / 127).clamp_min(1e-30)
     xq = torch.round(x / sx).clamp(-127, 127) * sx
     wd = Q.dequantize(qw).double()
-    ref = xq.double() @ wd.T
+    ref = xq.double() @ wd.T + bias.double()
     assert ((y.double() - ref).abs() / ref.abs().max()).max() < 1e-5
     # and against the float product: within the two roundings' bound
-    bound = (sx.double() / 2) @ wd.abs().sum(1, keepdim=True).T \
-        + x.abs().double() @ (qw.scales.double() / 2).expand(n, k).T
-    assert torch.all((y.double() - x.double() @ w.double().T).abs() <= bound + 1e-6)
+    step = qw.scales.double().repeat_interleave(32, dim=1)
+    bound = (sx.double() / 2) @ wd.abs().sum(1, keepdim=True).T + x.abs().double() @ (step / 2).T
+    exact = x.double() @ w.double().T + bias.double()
+    assert torch.all((y.double() - exact).abs() <= bound + 1e-5)
 
 
-def test_w8a8_needs_per_channel_int8():
+def test_w8a8_needs_int8_in_groups_of_32():
     with pytest.raises(ValueError):
         Q.use_int8_activations(Q.quantize_int4(weights(8, 64)))
+    with pytest.raises(ValueError):
+        Q.use_int8_activations(Q.quantize_int8(weights(8, 64), None))
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
@@ -172,7 +180,10 @@ def _logits(loaded, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("arch", ["llama", "smollm2"])  # q/k rows permuted; tied embedding
-def test_quantized_gguf_model_runs_from_its_blocks(tmp_path, qtype, arch):
+def test_quantized_gguf_model_runs_from_its_blocks(tmp_path, qtype, arch, monkeypatch):
+    from tokenmill.model import loader
+
+    monkeypatch.setattr(loader, "W8A8", False)  # weights only: products must stay exact
     hf = make_hf_model(arch)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(hf, path, arch if arch == "llama" else "llama", qtype)
@@ -186,6 +197,12 @@ def test_quantized_gguf_model_runs_from_its_blocks(tmp_path, qtype, arch):
         assert kept.model.model.embed_tokens.quant is kept.model.lm_head.quant
     # same weights, so the same logits (float32, up to the order of the sums)
     assert torch.allclose(_logits(kept, ids), _logits(dense, ids), atol=2e-4, rtol=1e-4)
+    if qtype == "Q8_0" and OPS is not None and OPS.has_int8_dot:
+        monkeypatch.setattr(loader, "W8A8", True)  # int8 activations: close, not exact
+        w8a8 = load_model(str(path), "cpu", "float32", "auto", "auto")
+        assert w8a8.model.lm_head.quant.act_offsets is not None
+        ref = _logits(dense, ids)
+        assert 0 < (_logits(w8a8, ids) - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 @pytest.mark.parametrize("quantization,tol", [("int8", 0.05), ("int4", 0.25)])

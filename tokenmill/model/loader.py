@@ -22,8 +22,9 @@ from tokenmill.model_source import ModelSource, resolve_model
 
 log = logging.getLogger("tokenmill.model")
 
-# --quantization int8 multiplies int8 activations (dynamic per-token scales) where the CPU has
-# int8 dot products (AVX512-VNNI)
+# int8 weights in groups of 32 (int8, and GGUF's Q8_0 under auto) multiply int8 activations
+# (dynamic per-token scales) where the CPU has int8 dot products (AVX512-VNNI), as llama.cpp
+# multiplies Q8_0 with activations quantized to 8 bits
 W8A8 = True
 
 # checkpoint sub-name -> (fused parameter sub-name, shard id)
@@ -120,9 +121,10 @@ def quantize_model(module: nn.Module, quantization: str) -> str:
                     "(slow); install a C++ compiler")
     for layer in linears:
         layer.quant_ops = ops
-        if (quantization == "int8" and W8A8 and ops is not None and ops.has_int8_dot
-                and layer.quant is not None and layer.quant.kind == "int8"):
-            use_int8_activations(layer.quant)
+        qw = layer.quant
+        if (W8A8 and ops is not None and ops.has_int8_dot and qw is not None and qw.bits == 8
+                and qw.group_size == 32 and qw.scales.dtype == torch.float16):
+            use_int8_activations(qw)
     return ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
 
 

@@ -26,6 +26,9 @@ import torch.nn.functional as F
 
 QUANTIZATIONS = ("none", "auto", "int8", "int4")
 INT4_GROUP = 32  # input features per scale and offset (GGUF's block)
+# int8's scales per 32 inputs (as Q8_0): perplexity of the default model +0.84% with one scale
+# per output feature, -0.4% (noise) with these (docs/performance.md)
+INT8_GROUP = 32
 
 # Rows of input above which a quantized layer is dequantized into the compute dtype and run
 # through PyTorch's GEMM (prefill, large batches), rather than multiplied from the quantized
@@ -42,8 +45,9 @@ class QuantWeight:
     bits: int
     group_size: int
     kind: str  # how it was made: "int8", "int4", "q8_0", "q4_0", "q4_1"
-    # per-channel int8 multiplied with int8 activations (W8A8): each weight row's sum of q
-    row_sums: torch.Tensor | None = None
+    # int8 in groups of 32 multiplied with int8 activations (W8A8): per row, the sum over its
+    # groups of scale * sum of q (float32), which takes the activations' offset back out
+    act_offsets: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,7 +62,7 @@ class QuantWeight:
     def to(self, device: torch.device | str) -> QuantWeight:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(self, qweight=move(self.qweight), scales=move(self.scales),
-                       zeros=move(self.zeros), row_sums=move(self.row_sums))
+                       zeros=move(self.zeros), act_offsets=move(self.act_offsets))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
@@ -90,12 +94,27 @@ def dequantize(qw: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     return w.view(n, k).to(dtype)
 
 
-def quantize_int8(w: torch.Tensor) -> QuantWeight:
-    """Symmetric int8 with one float32 scale per output feature (absmax / 127)."""
+def quantize_int8(w: torch.Tensor, group_size: int | None = INT8_GROUP) -> QuantWeight:
+    """Symmetric int8 with a scale (absmax / 127) per group of ``group_size`` inputs: float16
+    scales in groups of 32 (GGUF's Q8_0 layout; the default), or one float32 scale per output
+    feature with ``group_size=None`` (per-channel). Groups of 32 where K allows, else
+    per-channel."""
     w = w.detach().float()
-    scales = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scales).clamp_(-127, 127).to(torch.int8)
-    return QuantWeight(q.contiguous(), scales.contiguous(), None, 8, w.shape[1], "int8")
+    n, k = w.shape
+    if group_size is None or k % group_size:
+        scales = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(
+            torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scales).clamp_(-127, 127).to(torch.int8)
+        return QuantWeight(q.contiguous(), scales.contiguous(), None, 8, k, "int8")
+    g = w.view(n, k // group_size, group_size)
+    scales = g.abs().amax(dim=-1) / 127.0  # 0 for an all-zero group
+    if not _fits_half(scales):
+        return quantize_int8(w, None)
+    scales = scales.half()
+    step = scales.float().unsqueeze(-1)
+    q = torch.round(g / torch.where(step > 0, step, 1.0)).clamp_(-127, 127).to(torch.int8)
+    return QuantWeight(q.view(n, k).contiguous(), scales.contiguous(), None, 8, group_size,
+                       "int8")
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = INT4_GROUP) -> QuantWeight:
@@ -168,8 +187,8 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None,
     """``x @ W.T + bias`` for a quantized W: from the quantized bytes with the CPU kernels at
     up to ``DENSE_ROWS`` rows, else through a dequantized copy in x's dtype."""
     if ops is not None and x.device.type == "cpu":
-        if qw.row_sums is not None and x.shape[0] <= DENSE_ROWS:
-            return ops.quant_linear_w8a8(x, qw.qweight, qw.scales, qw.row_sums, bias)
+        if qw.act_offsets is not None and x.shape[0] <= DENSE_ROWS:
+            return ops.quant_linear_w8a8(x, qw.qweight, qw.scales, qw.act_offsets, bias)
         if x.shape[0] <= DENSE_ROWS:
             return ops.quant_linear(x, qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size,
                                     bias)
@@ -181,11 +200,15 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None,
 
 
 def use_int8_activations(qw: QuantWeight) -> None:
-    """Multiply this per-channel int8 weight with rows of x quantized to int8 on the fly
-    (dynamic per-token scales; needs the CPU kernels' ``has_int8_dot``)."""
-    if qw.bits != 8 or qw.group_size != qw.shape[1] or qw.scales.dtype != torch.float32:
-        raise ValueError("int8 activations need per-channel int8 weights with float32 scales")
-    qw.row_sums = qw.qweight.sum(dim=1, dtype=torch.int32)
+    """Multiply this int8 weight (groups of 32, float16 scales: int8 or Q8_0) with rows of x
+    quantized to int8 on the fly (dynamic per-token scales; needs the CPU kernels'
+    ``has_int8_dot``)."""
+    if qw.bits != 8 or qw.group_size != 32 or qw.scales.dtype != torch.float16:
+        raise ValueError("int8 activations need int8 weights in groups of 32 with float16 "
+                         "scales")
+    n, k = qw.shape
+    sums = qw.qweight.view(n, k // 32, 32).sum(dim=-1, dtype=torch.int64).double()
+    qw.act_offsets = (sums * qw.scales.double()).sum(dim=1).float()
 
 
 def embedding_rows(ids: torch.Tensor, qw: QuantWeight, dtype: torch.dtype) -> torch.Tensor:

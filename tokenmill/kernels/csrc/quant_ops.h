@@ -317,43 +317,57 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
 
 // ---- int8 weights times int8 activations (W8A8), AVX512-VNNI --------------------------------
 //
-// For per-channel int8 weights: each row of x is quantized to int8 with its own scale
-// (absmax / 127) and offset by 128 to unsigned bytes, so vpdpbusd multiplies 64 byte pairs and
-// sums them into 16 int32 lanes in one instruction; the offset comes back out through the
-// weight rows' sums: y = sx * sw * (sum (xq + 128) wq - 128 sum wq).
+// For int8 weights in groups of 32 with float16 scales (tokenmill's int8, GGUF's Q8_0): each row
+// of x is quantized to int8 with its own scale (absmax / 127) and offset by 128 to unsigned
+// bytes, so vpdpbusd multiplies 64 byte pairs -- two groups -- into 16 int32 lanes in one
+// instruction; lanes 0-7 hold the first group's partial sums, 8-15 the second's, and one FMA
+// applies both groups' scales. The offset comes back out through each row's
+// offsets[n] = sum over groups of scale * sum q:
+//   y = sx * (sum_g s_g sum_i (xq_i + 128) q_i - 128 offsets[n]).
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHasInt8Dot = true;
 
 template <int64_t M, int64_t C>
-inline void w8a8_tile(const uint8_t* xu, int64_t kp, const int8_t* w, int64_t k_len,
-                      int32_t* out /* [M][C] */) {
-  __m512i acc[M][C];
+inline void w8a8_tile(const uint8_t* xu, int64_t kp, const int8_t* w, const at::Half* sw,
+                      int64_t k_len, float* out /* [M][C] */) {
+  const int64_t groups = k_len / 32;
+  __m512 acc[M][C];
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_len; k += 64) {
-    const __mmask64 mask = k + 64 <= k_len ? ~__mmask64(0) : (__mmask64(1) << (k_len - k)) - 1;
+    const bool pair = k + 64 <= k_len;  // else one group of 32 is left
+    const __mmask64 mask = pair ? ~__mmask64(0) : (__mmask64(1) << 32) - 1;
     for (int64_t c = 0; c < C; ++c) {
       __builtin_prefetch(w + (c + kPrefetchRows) * k_len + k);
       const __m512i wv = _mm512_maskz_loadu_epi8(mask, w + c * k_len + k);
-      for (int64_t m = 0; m < M; ++m)
-        acc[m][c] = _mm512_dpbusd_epi32(acc[m][c], _mm512_loadu_si512(xu + m * kp + k), wv);
+      const at::Half* s = sw + c * groups + k / 32;
+      const __m512 sv = _mm512_insertf32x8(
+          _mm512_set1_ps(quant_half_to_float(s[0])),
+          _mm256_set1_ps(pair ? quant_half_to_float(s[1]) : 0.0f), 1);
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                              _mm512_loadu_si512(xu + m * kp + k), wv);
+        acc[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[m][c]);
+      }
     }
   }
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < C; ++c) out[m * C + c] = _mm512_reduce_add_epi32(acc[m][c]);
+    for (int64_t c = 0; c < C; ++c) out[m * C + c] = _mm512_reduce_add_ps(acc[m][c]);
 }
 
 at::Tensor quant_linear_w8a8(const at::Tensor& x, const at::Tensor& qweight,
-                             const at::Tensor& scales, const at::Tensor& row_sums,
+                             const at::Tensor& scales, const at::Tensor& offsets,
                              const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_linear_w8a8: x must be (M, K)");
   const int64_t rows = x.size(0), k_len = x.size(1), n_out = qweight.size(0);
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous() &&
-                  qweight.size(1) == k_len && scales.scalar_type() == at::kFloat &&
-                  scales.numel() == n_out && row_sums.scalar_type() == at::kInt &&
-                  row_sums.numel() == n_out,
-              "quant_linear_w8a8: per-channel int8 weights, float32 scales, int32 row sums");
+                  qweight.size(1) == k_len && k_len % 32 == 0 &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == n_out * (k_len / 32) &&
+                  offsets.scalar_type() == at::kFloat && offsets.numel() == n_out,
+              "quant_linear_w8a8: int8 weights in groups of 32, float16 scales, float32 "
+              "offsets");
   const std::vector<float> xf = rows_as_float(x);
   const int64_t kp = (k_len + 63) / 64 * 64;
   std::vector<uint8_t> xu(rows * kp, 128);
@@ -371,35 +385,36 @@ at::Tensor quant_linear_w8a8(const at::Tensor& x, const at::Tensor& qweight,
   std::vector<float> res(rows * n_out);
   float* op = res.data();
   const int8_t* wp = qweight.data_ptr<int8_t>();
-  const float* sw = scales.data_ptr<float>();
-  const int32_t* ws = row_sums.data_ptr<int32_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const float* off = offsets.data_ptr<float>();
+  const int64_t groups = k_len / 32;
   constexpr int64_t C = 4;
   at::parallel_for(0, (n_out + C - 1) / C, 4, [&](int64_t begin, int64_t end) {
-    int32_t dots[4 * C];
+    float dots[4 * C];
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t n0 = nb * C, cols = std::min(C, n_out - n0);
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t mm = std::min<int64_t>(4, rows - m0);
         const uint8_t* xr = xu.data() + m0 * kp;
         const int8_t* w = wp + n0 * k_len;
+        const at::Half* s = sp + n0 * groups;
         if (cols == C) {
           switch (mm) {
-            case 4: w8a8_tile<4, C>(xr, kp, w, k_len, dots); break;
-            case 3: w8a8_tile<3, C>(xr, kp, w, k_len, dots); break;
-            case 2: w8a8_tile<2, C>(xr, kp, w, k_len, dots); break;
-            default: w8a8_tile<1, C>(xr, kp, w, k_len, dots); break;
+            case 4: w8a8_tile<4, C>(xr, kp, w, s, k_len, dots); break;
+            case 3: w8a8_tile<3, C>(xr, kp, w, s, k_len, dots); break;
+            case 2: w8a8_tile<2, C>(xr, kp, w, s, k_len, dots); break;
+            default: w8a8_tile<1, C>(xr, kp, w, s, k_len, dots); break;
           }
         } else {  // the last few features, one at a time
           for (int64_t c = 0; c < cols; ++c)
             for (int64_t m = 0; m < mm; ++m)
-              w8a8_tile<1, 1>(xr + m * kp, kp, w + c * k_len, k_len, dots + m * C + c);
+              w8a8_tile<1, 1>(xr + m * kp, kp, w + c * k_len, s + c * groups, k_len,
+                              dots + m * C + c);
         }
         for (int64_t m = 0; m < mm; ++m)
-          for (int64_t c = 0; c < cols; ++c) {
-            const int64_t n = n0 + c;
-            const int32_t dot = dots[m * C + c] - 128 * ws[n];
-            op[(m0 + m) * n_out + n] = sx[m0 + m] * sw[n] * static_cast<float>(dot);
-          }
+          for (int64_t c = 0; c < cols; ++c)
+            op[(m0 + m) * n_out + n0 + c] =
+                sx[m0 + m] * (dots[m * C + c] - 128.0f * off[n0 + c]);
       }
     }
   });
@@ -423,6 +438,6 @@ inline void register_quant_ops(pybind11::module_& m) {
   m.def("quant_dequantize", &quant_dequantize,
         "the quantized weights written out in a float dtype", release());
   m.def("quant_linear_w8a8", &quant_linear_w8a8,
-        "per-channel int8 weights times int8-quantized rows of x (AVX512-VNNI)", release());
+        "int8 weights (groups of 32) times int8-quantized rows of x (AVX512-VNNI)", release());
   m.attr("has_int8_dot") = kHasInt8Dot;
 }
