@@ -15,7 +15,8 @@ from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.cpu import load as load_cpu_kernels
 from tokenmill.model.layers import Embedding, Linear, pack_linear_weights
-from tokenmill.model.quant import INT4_GROUP, QUANTIZATIONS, QuantWeight, dequantize
+from tokenmill.model.quant import INT4_GROUP, QUANTIZATIONS, QuantWeight, concat_rows
+from tokenmill.model.quant import dequantize
 from tokenmill.model.quant import quantize_int4, quantize_int8, use_int8_activations
 from tokenmill.model.registry import model_class
 from tokenmill.model_source import ModelSource, resolve_model
@@ -108,7 +109,11 @@ def quantize_model(module: nn.Module, quantization: str) -> str:
             w = layer.weight.detach()
             four = quantization == "int4" and layer is not lm_head \
                 and w.shape[1] % INT4_GROUP == 0
-            layer.set_quantized(quantize_int4(w) if four else quantize_int8(w))
+            # a slice of rows at a time: the float32 temporaries of a whole output layer
+            # would add hundreds of MB to the peak
+            quantize = quantize_int4 if four else quantize_int8
+            joined = concat_rows([quantize(w[i:i + 4096]) for i in range(0, w.shape[0], 4096)])
+            layer.set_quantized(joined or quantize(w))  # slices may differ in scale dtype
     if tied and lm_head is not None and lm_head.quant is not None:
         for embedding in embeddings:
             embedding.quant, embedding.weight = lm_head.quant, None

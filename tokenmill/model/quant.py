@@ -207,8 +207,12 @@ def use_int8_activations(qw: QuantWeight) -> None:
         raise ValueError("int8 activations need int8 weights in groups of 32 with float16 "
                          "scales")
     n, k = qw.shape
-    sums = qw.qweight.view(n, k // 32, 32).sum(dim=-1, dtype=torch.int64).double()
-    qw.act_offsets = (sums * qw.scales.double()).sum(dim=1).float()
+    offsets = torch.empty(n, dtype=torch.float32)
+    for start in range(0, n, 4096):  # sum() widens its input first: a slice at a time
+        q = qw.qweight[start:start + 4096].view(-1, k // 32, 32)
+        sums = q.sum(dim=-1, dtype=torch.int32).double()
+        offsets[start:start + 4096] = (sums * qw.scales[start:start + 4096].double()).sum(1)
+    qw.act_offsets = offsets.to(qw.qweight.device)
 
 
 def embedding_rows(ids: torch.Tensor, qw: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
