@@ -137,9 +137,34 @@ def test_w8a8_equals_quantized_activations_times_int8_weights(n, k, rows):
     assert torch.all((y.double() - exact).abs() <= bound + 1e-5)
 
 
-def test_w8a8_needs_int8_in_groups_of_32():
+@needs_kernels
+@pytest.mark.skipif(OPS is None or not OPS.has_int8_dot, reason="no AVX512-VNNI")
+@pytest.mark.parametrize("n,k", [(96, 64), (50, 96), (256, 576), (7, 32)])  # K % 64: 0, 32
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("qtype", ["int4", "Q4_0", "Q4_1"])
+def test_w4a8_equals_quantized_activations_times_int4_weights(n, k, rows, qtype):
+    w = weights(n, k)
+    if qtype == "int4":
+        qw = Q.quantize_int4(w)
+    else:
+        from gguf import GGMLQuantizationType, quants
+
+        raw = quants.quantize(w.numpy(), GGMLQuantizationType[qtype])
+        qw = Q.from_gguf_blocks(raw, qtype, (n, k))
+    Q.use_int8_activations(qw)
+    x = torch.randn(rows, k)
+    x[0, :7] = 0.0
+    bias = torch.randn(n)
+    y = Q.quant_linear(x, qw, bias, OPS)
+    sx = (x.abs().amax(1, keepdim=True) / 127).clamp_min(1e-30)
+    xq = torch.round(x / sx).clamp(-127, 127) * sx
+    ref = xq.double() @ Q.dequantize(qw).double().T + bias.double()
+    assert ((y.double() - ref).abs() / ref.abs().max()).max() < 1e-5
+
+
+def test_int8_activations_need_groups_of_32_in_float16():
     with pytest.raises(ValueError):
-        Q.use_int8_activations(Q.quantize_int4(weights(8, 64)))
+        Q.use_int8_activations(Q.quantize_int4(weights(8, 64) * 1e-5))  # float32 scales
     with pytest.raises(ValueError):
         Q.use_int8_activations(Q.quantize_int8(weights(8, 64), None))
 
@@ -183,7 +208,7 @@ def _logits(loaded, ids: list[int]) -> torch.Tensor:
 def test_quantized_gguf_model_runs_from_its_blocks(tmp_path, qtype, arch, monkeypatch):
     from tokenmill.model import loader
 
-    monkeypatch.setattr(loader, "W8A8", False)  # weights only: products must stay exact
+    monkeypatch.setattr(loader, "INT8_ACTIVATIONS", False)  # weights only: products stay exact
     hf = make_hf_model(arch)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(hf, path, arch if arch == "llama" else "llama", qtype)
@@ -197,12 +222,12 @@ def test_quantized_gguf_model_runs_from_its_blocks(tmp_path, qtype, arch, monkey
         assert kept.model.model.embed_tokens.quant is kept.model.lm_head.quant
     # same weights, so the same logits (float32, up to the order of the sums)
     assert torch.allclose(_logits(kept, ids), _logits(dense, ids), atol=2e-4, rtol=1e-4)
-    if qtype == "Q8_0" and OPS is not None and OPS.has_int8_dot:
-        monkeypatch.setattr(loader, "W8A8", True)  # int8 activations: close, not exact
-        w8a8 = load_model(str(path), "cpu", "float32", "auto", "auto")
-        assert w8a8.model.lm_head.quant.act_offsets is not None
+    if OPS is not None and OPS.has_int8_dot:
+        monkeypatch.setattr(loader, "INT8_ACTIVATIONS", True)  # close, not exact
+        a8 = load_model(str(path), "cpu", "float32", "auto", "auto")
+        assert a8.model.lm_head.quant.int8_activations
         ref = _logits(dense, ids)
-        assert 0 < (_logits(w8a8, ids) - ref).abs().max() < 0.05 * ref.abs().max()
+        assert 0 < (_logits(a8, ids) - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 @pytest.mark.parametrize("quantization,tol", [("int8", 0.05), ("int4", 0.25)])

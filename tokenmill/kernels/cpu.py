@@ -12,6 +12,7 @@ and without a compiler every caller falls back to the PyTorch reference path.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -62,9 +63,16 @@ def load() -> ModuleType | None:
     fresh = not is_built()
     t0 = time.perf_counter()
     try:
-        module = cpp_extension.load(name="tokenmill_cpu_ops", sources=[str(SOURCE)],
-                                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                                    build_directory=str(path), verbose=False)
+        # torch's own build lock is a file that a build killed midway (a server stopped while
+        # compiling) leaves behind, and every later load then waits on it forever. Builds take
+        # an OS lock here instead, released when its holder dies; whoever holds it may remove
+        # a lock file left over.
+        with open(path / "tokenmill-build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (path / "lock").unlink(missing_ok=True)
+            module = cpp_extension.load(name="tokenmill_cpu_ops", sources=[str(SOURCE)],
+                                        extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                                        build_directory=str(path), verbose=False)
     except Exception as exc:  # a failed build must not stop the server: fall back
         log.warning("building the CPU kernels failed (%s): using the PyTorch reference "
                     "attention", str(exc).strip().splitlines()[-1] if str(exc) else exc)

@@ -17,16 +17,17 @@ from tokenmill.kernels.cpu import load as load_cpu_kernels
 from tokenmill.model.layers import Embedding, Linear, pack_linear_weights
 from tokenmill.model.quant import INT4_GROUP, QUANTIZATIONS, QuantWeight, concat_rows
 from tokenmill.model.quant import dequantize
-from tokenmill.model.quant import quantize_int4, quantize_int8, use_int8_activations
+from tokenmill.model.quant import quantize_int4, quantize_int8, takes_int8_activations
+from tokenmill.model.quant import use_int8_activations
 from tokenmill.model.registry import model_class
 from tokenmill.model_source import ModelSource, resolve_model
 
 log = logging.getLogger("tokenmill.model")
 
-# int8 weights in groups of 32 (int8, and GGUF's Q8_0 under auto) multiply int8 activations
-# (dynamic per-token scales) where the CPU has int8 dot products (AVX512-VNNI), as llama.cpp
-# multiplies Q8_0 with activations quantized to 8 bits
-W8A8 = True
+# Quantized weights in groups of 32 (int8, int4, and GGUF's Q8_0 / Q4_0 / Q4_1 under auto)
+# multiply int8 activations (dynamic per-token scales) where the CPU has int8 dot products
+# (AVX512-VNNI), as llama.cpp multiplies its blocks with activations quantized to 8 bits
+INT8_ACTIVATIONS = True
 
 # checkpoint sub-name -> (fused parameter sub-name, shard id)
 _STACKED = {
@@ -127,8 +128,8 @@ def quantize_model(module: nn.Module, quantization: str) -> str:
     for layer in linears:
         layer.quant_ops = ops
         qw = layer.quant
-        if (W8A8 and ops is not None and ops.has_int8_dot and qw is not None and qw.bits == 8
-                and qw.group_size == 32 and qw.scales.dtype == torch.float16):
+        if (INT8_ACTIVATIONS and ops is not None and ops.has_int8_dot and qw is not None
+                and takes_int8_activations(qw)):
             use_int8_activations(qw)
     return ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
 

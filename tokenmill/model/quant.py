@@ -48,6 +48,8 @@ class QuantWeight:
     # int8 in groups of 32 multiplied with int8 activations (W8A8): per row, the sum over its
     # groups of scale * sum of q (float32), which takes the activations' offset back out
     act_offsets: torch.Tensor | None = None
+    # multiplied with rows of x quantized to int8 (use_int8_activations)
+    int8_activations: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -187,7 +189,9 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None,
     """``x @ W.T + bias`` for a quantized W: from the quantized bytes with the CPU kernels at
     up to ``DENSE_ROWS`` rows, else through a dequantized copy in x's dtype."""
     if ops is not None and x.device.type == "cpu":
-        if qw.act_offsets is not None and x.shape[0] <= DENSE_ROWS:
+        if qw.int8_activations and x.shape[0] <= DENSE_ROWS:
+            if qw.bits == 4:
+                return ops.quant_linear_w4a8(x, qw.qweight, qw.scales, qw.zeros, bias)
             return ops.quant_linear_w8a8(x, qw.qweight, qw.scales, qw.act_offsets, bias)
         if x.shape[0] <= DENSE_ROWS:
             return ops.quant_linear(x, qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size,
@@ -199,13 +203,20 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None,
     return F.linear(x, w, bias)
 
 
+def takes_int8_activations(qw: QuantWeight) -> bool:
+    """Whether the int8-activation kernels take this format: groups of 32, float16 scales."""
+    return qw.group_size == 32 and qw.scales.dtype == torch.float16
+
+
 def use_int8_activations(qw: QuantWeight) -> None:
-    """Multiply this int8 weight (groups of 32, float16 scales: int8 or Q8_0) with rows of x
-    quantized to int8 on the fly (dynamic per-token scales; needs the CPU kernels'
-    ``has_int8_dot``)."""
-    if qw.bits != 8 or qw.group_size != 32 or qw.scales.dtype != torch.float16:
-        raise ValueError("int8 activations need int8 weights in groups of 32 with float16 "
-                         "scales")
+    """Multiply this weight (int8 or int4 in groups of 32 with float16 scales: int8, int4,
+    Q8_0, Q4_0, Q4_1) with rows of x quantized to int8 on the fly (dynamic per-token scales;
+    needs the CPU kernels' ``has_int8_dot``)."""
+    if not takes_int8_activations(qw):
+        raise ValueError("int8 activations need weights in groups of 32 with float16 scales")
+    qw.int8_activations = True
+    if qw.bits == 4:
+        return
     n, k = qw.shape
     offsets = torch.empty(n, dtype=torch.float32)
     for start in range(0, n, 4096):  # sum() widens its input first: a slice at a time

@@ -420,8 +420,143 @@ at::Tensor quant_linear_w8a8(const at::Tensor& x, const at::Tensor& qweight,
   });
   return results_as(res, rows, n_out, x, bias);
 }
+// Rows of x quantized to int8 with a scale per row (absmax / 127): sx, and the values laid out
+// for the int4 kernel, each 64 inputs (groups A, B) as A0-15, B0-15, A16-31, B16-31 (the order
+// in which a 4-bit weight's 32 bytes unpack: low nibbles of A and B, then high ones), with each
+// group's sum of quantized values (the offsets' term).
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<float> group_sums;
+  int64_t stride;
+};
+
+Int8Rows quantize_rows_w4(const std::vector<float>& xf, int64_t rows, int64_t k_len) {
+  Int8Rows r;
+  const int64_t groups = k_len / 32;
+  r.stride = (k_len + 63) / 64 * 64;
+  r.q.assign(rows * r.stride, 0);
+  r.scale.resize(rows);
+  r.group_sums.assign(rows * groups, 0.0f);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* x = xf.data() + m * k_len;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < k_len; ++k) amax = std::max(amax, std::fabs(x[k]));
+    r.scale[m] = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const float inv = 1.0f / r.scale[m];
+    for (int64_t k = 0; k < k_len; ++k) {
+      const int64_t g = k / 32, i = k % 32, chunk = k / 64 * 64;
+      const int64_t at = chunk + (i < 16 ? 0 : 32) + (g % 2) * 16 + i % 16;
+      const int8_t v = static_cast<int8_t>(
+          std::nearbyint(std::min(127.0f, std::max(-127.0f, x[k] * inv))));
+      r.q[m * r.stride + at] = v;
+      r.group_sums[m * groups + g] += v;
+    }
+  }
+  return r;
+}
+
+template <int64_t M, int64_t C>
+inline void w4a8_tile(const Int8Rows& xr, int64_t m0, const uint8_t* w, const at::Half* sw,
+                      const at::Half* zw, int64_t k_len, float* out /* [M][C] */) {
+  const int64_t groups = k_len / 32, row_bytes = k_len / 2;
+  const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m512 acc[M][C];
+  float zacc[M][C];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps(), zacc[m][c] = 0.0f;
+  for (int64_t k = 0; k < k_len; k += 64) {
+    const int64_t g = k / 32;
+    const bool pair = g + 1 < groups;  // else one group of 32 is left
+    for (int64_t c = 0; c < C; ++c) {
+      const uint8_t* q = w + c * row_bytes + k / 2;
+      __builtin_prefetch(q + kPrefetchRows * row_bytes);
+      const __m256i b = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
+                             : _mm256_castsi128_si256(
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      const __m256i lo = _mm256_and_si256(b, nibble);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+      const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      const float dA = quant_half_to_float(sw[c * groups + g]);
+      const float dB = pair ? quant_half_to_float(sw[c * groups + g + 1]) : 0.0f;
+      const float zA = quant_half_to_float(zw[c * groups + g]);
+      const float zB = pair ? quant_half_to_float(zw[c * groups + g + 1]) : 0.0f;
+      const __m512 dv = _mm512_permutexvar_ps(lanes,
+                                              _mm512_castps128_ps512(_mm_set_ps(0, 0, dB, dA)));
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* x = xr.q.data() + (m0 + m) * xr.stride + k;
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv,
+                                              _mm512_loadu_si512(x));
+        acc[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), dv, acc[m][c]);
+        const float* gs = xr.group_sums.data() + (m0 + m) * groups + g;
+        zacc[m][c] += zA * gs[0] + (pair ? zB * gs[1] : 0.0f);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c)
+      out[m * C + c] = _mm512_reduce_add_ps(acc[m][c]) + zacc[m][c];
+}
+
+// int4 weights (groups of 32, float16 scales and offsets: int4, Q4_0, Q4_1) times int8 rows:
+// the unsigned nibbles and the signed activations go straight into vpdpbusd;
+// y = sx * sum_g (s_g sum_i q_i xq_i + z_g sum_i xq_i).
+at::Tensor quant_linear_w4a8(const at::Tensor& x, const at::Tensor& qweight,
+                             const at::Tensor& scales, const at::Tensor& zeros,
+                             const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_linear_w4a8: x must be (M, K)");
+  const int64_t rows = x.size(0), k_len = x.size(1), n_out = qweight.size(0);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  qweight.size(1) * 2 == k_len && k_len % 32 == 0 &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == n_out * (k_len / 32) && zeros.sizes() == scales.sizes() &&
+                  zeros.scalar_type() == at::kHalf && zeros.is_contiguous(),
+              "quant_linear_w4a8: int4 weights in groups of 32, float16 scales and offsets");
+  const Int8Rows xr = quantize_rows_w4(rows_as_float(x), rows, k_len);
+  std::vector<float> res(rows * n_out);
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* zp = zeros.data_ptr<at::Half>();
+  const int64_t groups = k_len / 32;
+  constexpr int64_t C = 4;
+  at::parallel_for(0, (n_out + C - 1) / C, 4, [&](int64_t begin, int64_t end) {
+    float dots[4 * C];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n0 = nb * C, cols = std::min(C, n_out - n0);
+      const uint8_t* w = wp + n0 * (k_len / 2);
+      const at::Half* s = sp + n0 * groups;
+      const at::Half* z = zp + n0 * groups;
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mm = std::min<int64_t>(4, rows - m0);
+        if (cols == C) {
+          switch (mm) {
+            case 4: w4a8_tile<4, C>(xr, m0, w, s, z, k_len, dots); break;
+            case 3: w4a8_tile<3, C>(xr, m0, w, s, z, k_len, dots); break;
+            case 2: w4a8_tile<2, C>(xr, m0, w, s, z, k_len, dots); break;
+            default: w4a8_tile<1, C>(xr, m0, w, s, z, k_len, dots); break;
+          }
+        } else {  // the last few features, one at a time
+          for (int64_t c = 0; c < cols; ++c)
+            for (int64_t m = 0; m < mm; ++m)
+              w4a8_tile<1, 1>(xr, m0 + m, w + c * (k_len / 2), s + c * groups, z + c * groups,
+                              k_len, dots + m * C + c);
+        }
+        for (int64_t m = 0; m < mm; ++m)
+          for (int64_t c = 0; c < cols; ++c)
+            res[(m0 + m) * n_out + n0 + c] = xr.scale[m0 + m] * dots[m * C + c];
+      }
+    }
+  });
+  return results_as(res, rows, n_out, x, bias);
+}
 #else
 constexpr bool kHasInt8Dot = false;
+
+at::Tensor quant_linear_w4a8(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "quant_linear_w4a8: built without AVX512-VNNI");
+}
 
 at::Tensor quant_linear_w8a8(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const c10::optional<at::Tensor>&) {
@@ -439,5 +574,7 @@ inline void register_quant_ops(pybind11::module_& m) {
         "the quantized weights written out in a float dtype", release());
   m.def("quant_linear_w8a8", &quant_linear_w8a8,
         "int8 weights (groups of 32) times int8-quantized rows of x (AVX512-VNNI)", release());
+  m.def("quant_linear_w4a8", &quant_linear_w4a8,
+        "int4 weights (groups of 32) times int8-quantized rows of x (AVX512-VNNI)", release());
   m.attr("has_int8_dot") = kHasInt8Dot;
 }
