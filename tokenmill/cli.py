@@ -297,11 +297,15 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    # Before torch (and its OpenMP runtime) loads: OpenMP threads that spin after each parallel
-    # region take the cores the event loop needs to stream; sleeping instead raised output tok/s
-    # at 32 concurrent streams on 2 cores from 163 to 235 (docs/performance.md). A user's own
-    # setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before torch (and its OpenMP runtime, libgomp) loads: OpenMP threads that spin without end
+    # after each parallel region take the cores the event loop needs to stream, and threads that
+    # sleep at once must be woken for each of a step's ~300 parallel regions. Spinning for a
+    # while (200k rounds, tens of microseconds: the gap between one op and the next) and then
+    # sleeping measured best on 2 cores with the default model's Q4_1 weights: TPOT at one
+    # stream 28 ms (sleeping or spinning) -> 19 ms, output tok/s at 32 streams 178 (sleeping) /
+    # 125 (spinning) -> 192 (docs/performance.md). A user's own setting of either wins.
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ.update(OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="200000")
     from tokenmill.server.app import ServerSettings, run_server
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
