@@ -44,6 +44,10 @@ def main() -> None:
 
     t_import = time.perf_counter() - t0
     t1 = time.perf_counter()
+    if args.dtype == "auto":  # what the engine picks for this machine
+        from tokenmill.platform import choose_dtype
+
+        args.dtype, _ = choose_dtype(args.device)
     loaded = load_model(args.model, args.device, args.dtype, quantization=args.quantization)
     t_load = time.perf_counter() - t1
     rss_after_load = rss_mib()

@@ -32,9 +32,10 @@ INT8_GROUP = 32
 
 # Rows of input above which a quantized layer is dequantized into the compute dtype and run
 # through PyTorch's GEMM (prefill, large batches), rather than multiplied from the quantized
-# bytes. For the default model's layers on 2 Zen 4 cores the direct kernel is ahead up to
-# 16 rows and behind from 32 (benchmarks/quant_linear.py).
-DENSE_ROWS = 24
+# bytes. For the default model's layers on 2 Zen 4 cores (int4 with int8 activations, a step's
+# 120 layers) the two are even at 16 rows (49 / 47 ms) and the GEMM ahead from 24 (77 / 48 ms;
+# benchmarks/quant_linear.py).
+DENSE_ROWS = 16
 
 
 @dataclass
