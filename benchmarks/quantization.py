@@ -60,13 +60,16 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     names = args.settings.split(",")
-    rows, reference = {}, None
+    rows, reference, measured = {}, None, {}
+    for name in names:  # in child processes first: a child forked from a parent that holds
+        weights, kv = SETTINGS[name]  # models inherits its peak RSS
+        flags = ["--dtype", args.dtype, "--quantization", weights, "--kv-cache-dtype", kv]
+        measured[name] = (run_json([sys.executable, "-m", "tokenmill.cli", "eval", "perplexity",
+                                    "--json", *flags]),
+                          run_json([sys.executable, "benchmarks/model_speed.py", *flags]))
     for name in names:
         weights, kv = SETTINGS[name]
-        flags = ["--dtype", args.dtype, "--quantization", weights, "--kv-cache-dtype", kv]
-        ppl = run_json([sys.executable, "-m", "tokenmill.cli", "eval", "perplexity", "--json",
-                        *flags])
-        speed = run_json([sys.executable, "benchmarks/model_speed.py", *flags])
+        ppl, speed = measured[name]
         tokens, capacity = greedy_tokens(ppl["dtype"], weights, kv)
         reference = reference or tokens
         same = sum(a == b for x, y in zip(reference, tokens) for a, b in zip(x, y))

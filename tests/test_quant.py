@@ -113,13 +113,15 @@ def test_quant_linear_paths_agree(rows):
         assert torch.allclose(Q.quant_linear(x, qw, None, ops), ref, atol=1e-5, rtol=1e-5)
 
 
-@needs_kernels
-@pytest.mark.skipif(OPS is None or not OPS.has_int8_dot, reason="no AVX512-VNNI")
-@pytest.mark.parametrize("n,k", [(96, 64), (50, 96), (256, 576), (7, 32)])  # K % 64: 0, 32
-@pytest.mark.parametrize("rows", [1, 3, 6])
-def test_w8a8_equals_quantized_activations_times_int8_weights(n, k, rows):
-    w = weights(n, k)
-    qw = Q.quantize_int8(w)
+needs_int8_dot = pytest.mark.skipif(OPS is None or not OPS.has_int8_dot,
+                                    reason="no AVX512-VNNI")
+A8_SHAPES = [(96, 64), (50, 96), (256, 576), (7, 32)]  # K % 64: 0 and 32
+
+
+def int8_activation_product(qw: Q.QuantWeight, rows: int):
+    """(kernel result, the reference: x quantized per row to int8 times the dequantized
+    weights, the scale per row, x, bias) for random x with a zero run, and a bias."""
+    n, k = qw.shape
     Q.use_int8_activations(qw)
     x = torch.randn(rows, k)
     x[0, :7] = 0.0
@@ -127,19 +129,28 @@ def test_w8a8_equals_quantized_activations_times_int8_weights(n, k, rows):
     y = Q.quant_linear(x, qw, bias, OPS)
     sx = (x.abs().amax(1, keepdim=True) / 127).clamp_min(1e-30)
     xq = torch.round(x / sx).clamp(-127, 127) * sx
-    wd = Q.dequantize(qw).double()
-    ref = xq.double() @ wd.T + bias.double()
+    ref = xq.double() @ Q.dequantize(qw).double().T + bias.double()
     assert ((y.double() - ref).abs() / ref.abs().max()).max() < 1e-5
+    return y, sx, x, bias
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("n,k", A8_SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_w8a8_equals_quantized_activations_times_int8_weights(n, k, rows):
+    w = weights(n, k)
+    qw = Q.quantize_int8(w)
+    y, sx, x, bias = int8_activation_product(qw, rows)
     # and against the float product: within the two roundings' bound
+    wd = Q.dequantize(qw).double()
     step = qw.scales.double().repeat_interleave(32, dim=1)
     bound = (sx.double() / 2) @ wd.abs().sum(1, keepdim=True).T + x.abs().double() @ (step / 2).T
     exact = x.double() @ w.double().T + bias.double()
     assert torch.all((y.double() - exact).abs() <= bound + 1e-5)
 
 
-@needs_kernels
-@pytest.mark.skipif(OPS is None or not OPS.has_int8_dot, reason="no AVX512-VNNI")
-@pytest.mark.parametrize("n,k", [(96, 64), (50, 96), (256, 576), (7, 32)])  # K % 64: 0, 32
+@needs_int8_dot
+@pytest.mark.parametrize("n,k", A8_SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 6])
 @pytest.mark.parametrize("qtype", ["int4", "Q4_0", "Q4_1"])
 def test_w4a8_equals_quantized_activations_times_int4_weights(n, k, rows, qtype):
@@ -151,15 +162,7 @@ def test_w4a8_equals_quantized_activations_times_int4_weights(n, k, rows, qtype)
 
         raw = quants.quantize(w.numpy(), GGMLQuantizationType[qtype])
         qw = Q.from_gguf_blocks(raw, qtype, (n, k))
-    Q.use_int8_activations(qw)
-    x = torch.randn(rows, k)
-    x[0, :7] = 0.0
-    bias = torch.randn(n)
-    y = Q.quant_linear(x, qw, bias, OPS)
-    sx = (x.abs().amax(1, keepdim=True) / 127).clamp_min(1e-30)
-    xq = torch.round(x / sx).clamp(-127, 127) * sx
-    ref = xq.double() @ Q.dequantize(qw).double().T + bias.double()
-    assert ((y.double() - ref).abs() / ref.abs().max()).max() < 1e-5
+    int8_activation_product(qw, rows)
 
 
 def test_int8_activations_need_groups_of_32_in_float16():
