@@ -25,15 +25,17 @@ def make_case(rng: random.Random, *, heads: int, kv_heads: int, head_dim: int, b
     """A cache holding every request's context, plus the new tokens' q/k/v. ``shapes``:
     (context tokens already cached, new tokens) per request; with ``shared_blocks`` the first
     requests' tables start with the same blocks (their context there is the same K/V).
-    ``kv_cache_dtype="int8"``: the cache holds K/V quantized (``dense`` stays exact)."""
+    ``kv_cache_dtype="int8"`` or ``"fp8"``: the cache holds K/V quantized (``dense`` stays
+    exact)."""
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     total_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 4
     free = list(range(1, total_blocks + 1))
     rng.shuffle(free)
-    int8 = kv_cache_dtype == "int8"
-    shape = (total_blocks + 1, block_size, kv_heads, head_dim + (SCALE_BYTES if int8 else 0))
-    k_cache = torch.zeros(shape, dtype=torch.int8 if int8 else dtype)
-    v_cache = torch.zeros(shape, dtype=torch.int8 if int8 else dtype)
+    quantized = CACHE_DTYPES.get(kv_cache_dtype)
+    shape = (total_blocks + 1, block_size, kv_heads,
+             head_dim + (SCALE_BYTES if quantized else 0))
+    k_cache = torch.zeros(shape, dtype=quantized or dtype)
+    v_cache = torch.zeros(shape, dtype=quantized or dtype)
     shared = [free.pop() for _ in range(shared_blocks)]
     shared_k = torch.randn(shared_blocks * block_size, kv_heads, head_dim, generator=gen)
     shared_v = torch.randn(shared_blocks * block_size, kv_heads, head_dim, generator=gen)
@@ -116,9 +118,16 @@ CASES = {
 INT8_SIGMAS = 7.0
 
 
-def held_by_int8_cache(dense):
-    """The K/V an int8 cache gives back for each request's exact K/V."""
-    return [(unpack(pack(k), torch.float64), unpack(pack(v), torch.float64)) for k, v in dense]
+CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.uint8}  # --kv-cache-dtype -> tensor dtype
+
+
+def held_by_cache(dense, kv_cache_dtype: str):
+    """The K/V a cache of ``kv_cache_dtype`` gives back for each request's exact K/V."""
+    cache_dtype = CACHE_DTYPES.get(kv_cache_dtype)
+    if cache_dtype is None:
+        return dense
+    return [(unpack(pack(k, cache_dtype), torch.float64),
+             unpack(pack(v, cache_dtype), torch.float64)) for k, v in dense]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -141,8 +150,7 @@ def test_backend_matches_dense_reference(backend, case, heads, kv_heads, dtype, 
     assert out.dtype == dtype and out.shape == q.shape
     int8 = kv_cache_dtype == "int8"
     # exact (to the compute dtype) against what the cache holds: int8 values times scales
-    want = reference(chunks, q, held_by_int8_cache(dense) if int8 else dense, heads, kv_heads,
-                     scale)
+    want = reference(chunks, q, held_by_cache(dense, kv_cache_dtype), heads, kv_heads, scale)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
     if int8:  # and within what quantization explains of the exact K/V's attention

@@ -1,4 +1,4 @@
-"""int8 KV cache (``--kv-cache-dtype int8``): the quantization itself, the two backends writing
+"""int8 KV cache (``--kv-cache-dtype int8``, and fp8 in the same layout): the quantization itself, the two backends writing
 the same bytes and reading them alike, the capacity it buys, refusal of unknown dtypes, and the
 real model generating with it. Attention accuracy on random batches: test_attention.py."""
 
@@ -59,6 +59,26 @@ def test_round_trip_error_is_at_most_half_a_step(dtype):
     assert (q.abs().amax(-1)[s >= 2 ** -14] >= 126).all()
     assert back[0, 0].eq(0).all() and scale[0, 0] == 0  # zeros: scale 0, no NaN
     assert torch.allclose(back[0, 1], xf[0, 1], rtol=1e-3) and (q[0, 1] == 127).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_round_trip_keeps_three_mantissa_bits(dtype):
+    x = vectors(dtype)
+    xf = x.float()
+    q, scale = quantize(x, torch.uint8)
+    assert q.dtype == torch.uint8 and scale.dtype == torch.float16
+    values = q.view(torch.float8_e4m3fn).float()
+    assert torch.isfinite(values).all() and values.abs().max() <= 448
+    s = scale.float()
+    assert (s >= xf.abs().amax(-1) / 448).all()  # rounded up: nothing saturates
+    back = unpack(pack(x, torch.uint8), torch.float32)
+    # e4m3: relative error <= 2^-4 for normal values, absolute <= 2^-10 * scale below 2^-6
+    err = (back - xf).abs()
+    bound = torch.maximum(xf.abs() * 2 ** -4, s[..., None] * 2 ** -10) * (1 + 1e-6)
+    assert (err <= bound).all(), (err / bound).max()
+    assert back[0, 0].eq(0).all() and scale[0, 0] == 0
+    # and it is a real rounding, not a truncation: most values are not exact
+    assert (err > 0).float().mean() > 0.5
 
 
 def test_rows_hold_values_then_scale_bytes():
@@ -132,14 +152,36 @@ def test_capacity_about_twice_bf16():
     assert 2 * k.nbytes * 30 == 3 * bytes_per_block(SMOLLM2, 16, torch.float32, "int8")
 
 
-@pytest.mark.parametrize("bad", ["fp8", "INT8", "bfloat16", ""])
+def test_fp8_cache_is_uint8_rows_with_the_same_capacity_as_int8():
+    k, v = allocate_kv_cache(SMOLLM2, 3, 16, "cpu", torch.bfloat16, "fp8")[0]
+    assert k.dtype == v.dtype == torch.uint8 and k.shape == (3, 16, 3, 64 + SCALE_BYTES)
+    assert bytes_per_block(SMOLLM2, 16, torch.bfloat16, "fp8") == \
+        bytes_per_block(SMOLLM2, 16, torch.bfloat16, "int8")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["mixed", "shared_prefix"])
+def test_fp8_cache_is_read_by_every_backend(backend, case):
+    """The torch backend reads fp8 rows; the cpu backend hands an fp8 cache to it."""
+    from tests.test_attention import held_by_cache, reference
+
+    chunks, kv, q, k, v, dense = make_case(random.Random(5), heads=9, kv_heads=3, head_dim=64,
+                                           block_size=16, backend=backend,
+                                           kv_cache_dtype="fp8", **CASES[case])
+    meta = build_flat_batch(chunks, 16, "cpu").meta
+    out = get_backend(backend).forward(q, k, v, kv, meta, 0.125)
+    want = reference(chunks, q, held_by_cache(dense, "fp8"), 9, 3, 0.125)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("bad", ["fp16", "INT8", "bfloat16", ""])
 def test_unknown_kv_cache_dtype_is_refused(bad):
     for call in (lambda: kv_cache.check_kv_cache_dtype(bad),
                  lambda: bytes_per_block(SMOLLM2, 16, torch.float32, bad),
                  lambda: num_kv_blocks(SMOLLM2, 16, torch.float32, "cpu", num_blocks=8,
                                        kv_cache_dtype=bad),
                  lambda: allocate_kv_cache(SMOLLM2, 2, 16, "cpu", torch.float32, bad)):
-        with pytest.raises(ValueError, match="auto, int8"):
+        with pytest.raises(ValueError, match="auto, int8, fp8"):
             call()
 
 

@@ -250,6 +250,43 @@ def test_float_model_quantized_at_load(tmp_path, quantization, tol):
     assert 0 < rel < tol  # changed (it is quantized), but not by much
 
 
+@pytest.mark.parametrize("n,k,rows", [(64, 96, 1), (48, 160, 7), (256, 64, 33)])
+def test_fp8_linear_within_the_format_bound(n, k, rows):
+    """fp8 weights (per-channel scales) times fp8 activations (per-row scales): each product
+    term carries at most the two roundings of e4m3 (2^-4 relative each, plus subnormals)."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    qw = Q.quantize_fp8(w)
+    assert qw.qweight.dtype == torch.float8_e4m3fn and qw.scales.shape == (n, 1)
+    back = Q.dequantize(qw)
+    tiny = qw.scales * 2 ** -10
+    assert ((back - w).abs() <= torch.maximum(w.abs() * 2 ** -4, tiny) * (1 + 1e-6)).all()
+    bias = torch.randn(n, generator=gen)
+    got = Q.quant_linear(x, qw, bias, None)
+    want = x.double() @ w.double().T + bias.double()
+    # |error| <= sum_j |x_j| |w_j| ((1 + 2^-4)^2 - 1) + the subnormal floors
+    bound = (x.abs().double() @ w.abs().double().T) * ((1 + 2 ** -4) ** 2 - 1) + 1e-3
+    assert ((got.double() - want).abs() <= bound).all()
+    assert (got.double() - want).abs().max() > 0  # it did quantize
+
+
+def test_fp8_model_quantizes_every_layer_but_the_output(tmp_path):
+    from tests.tiny_models import save_hf_model
+
+    path = save_hf_model(make_hf_model("llama"), tmp_path / "hf")
+    ids = [3, 17, 42, 5, 88, 1, 60, 29, 11]
+    dense = _logits(load_model(str(path), "cpu", "float32", "auto", "none"), ids)
+    loaded = load_model(str(path), "cpu", "float32", "auto", "fp8")
+    assert loaded.model.lm_head.quant is None
+    layers = [m for m in loaded.model.modules() if isinstance(m, Linear)
+              and m is not loaded.model.lm_head]
+    assert layers and all(m.quant.kind == "fp8" for m in layers)
+    assert loaded.quantization == f"fp8 x{len(layers)}"
+    rel = (_logits(loaded, ids) - dense).abs().max() / dense.abs().max()
+    assert 0 < rel < 0.2
+
+
 def test_auto_leaves_float_checkpoints_alone(tmp_path):
     from tests.tiny_models import save_hf_model
 

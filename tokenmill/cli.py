@@ -39,16 +39,21 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
                               help="compute dtype; auto: bfloat16 where the CPU (AMX, "
                                    "AVX512-BF16) or GPU multiplies it natively, else float32")),
     ("--attention-backend", "attention_backend", dict(
-        choices=["auto", "cpu", "torch"], help="cpu: compiled kernels reading K/V in place; "
-                                               "torch: the reference; auto: cpu where it builds")),
+        choices=["auto", "cpu", "triton", "torch"],
+        help="cpu: compiled kernels reading K/V in place; triton: Triton kernels (GPU); torch: "
+             "the reference; auto: cpu on a CPU where it builds, triton on a GPU")),
     ("--quantization", "quantization", dict(
-        choices=["none", "auto", "int8", "int4"],
+        choices=["none", "auto", "int8", "int4", "fp8"],
         help="linear weights: int8 (per-channel scales), int4 (groups of 32); auto: a "
-             "quantized GGUF keeps its own Q8_0/Q4_0/Q4_1 blocks, others none")),
+             "quantized GGUF keeps its own Q8_0/Q4_0/Q4_1 blocks, others none; fp8: e4m3 "
+             "weights and activations (Hopper GPUs)")),
     ("--kv-cache-dtype", "kv_cache_dtype", dict(
-        choices=["auto", "int8"],
-        help="KV cache storage: auto (the compute dtype) or int8 (a scale per token and head; "
-             "about twice the tokens of bf16)")),
+        choices=["auto", "int8", "fp8"],
+        help="KV cache storage: auto (the compute dtype), int8 or fp8 (e4m3, GPUs), with a "
+             "scale per token and head: about twice the tokens of bf16")),
+    ("--enforce-eager", "enforce_eager", dict(
+        action="store_const", const=True,
+        help="GPU: run every step eagerly, without CUDA graphs of the decode step")),
     ("--num-threads", "num_threads", dict(
         type=int, help="CPU threads of the forward (unset: chosen from the usable cores)")),
     ("--kv-cache-memory", "kv_cache_memory", dict(

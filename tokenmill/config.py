@@ -121,14 +121,18 @@ class EngineConfig:
     # (tokenmill.platform.choose_dtype); or float32 / bfloat16 / float16
     dtype: str = "auto"
     # "auto": "cpu" (K/V read in place by the compiled kernels) on a CPU where they build,
-    # else "torch" (the reference)
+    # "triton" on a GPU where triton is installed, else "torch" (the reference)
     attention_backend: str = "auto"
     # Linear weights: "none" (the compute dtype), "int8" (per-channel scales), "int4" (groups of
     # 32 with scales and offsets), "auto" (a quantized GGUF stays as the file has it: Q8_0 as
-    # int8, Q4_0 / Q4_1 as int4, each with the file's own block scales; else none)
+    # int8, Q4_0 / Q4_1 as int4, each with the file's own block scales; else none), "fp8"
+    # (e4m3 with per-channel scales, times per-token fp8 activations; for Hopper GPUs)
     quantization: str = "none"
-    # KV cache storage: "auto" (the compute dtype) or "int8" (a scale per token and head)
+    # KV cache storage: "auto" (the compute dtype), "int8" or "fp8" (e4m3; for GPUs), each with
+    # a scale per token and head
     kv_cache_dtype: str = "auto"
+    # GPU: run every step eagerly (no CUDA graphs of the decode step)
+    enforce_eager: bool = False
     # intra-op threads of the forward on a CPU (None: tokenmill.platform.default_threads)
     num_threads: int | None = None
     # Sampling seed of requests that bring none (derived per request from it and the arrival

@@ -36,18 +36,39 @@ def _cpu_backend() -> AttentionBackend:
     return CpuPagedBackend(ops)
 
 
+def _triton_backend() -> AttentionBackend:
+    try:
+        from tokenmill.attention.triton_paged import TritonPagedBackend
+    except ImportError as e:
+        raise ValueError(f"attention backend 'triton' needs the triton package ({e}); "
+                         "use --attention-backend torch") from None
+    return TritonPagedBackend()
+
+
+def has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def default_backend(device: str) -> str:
-    """``cpu`` (K/V read in place) on a CPU where the kernels build, else ``torch``."""
+    """``cpu`` (K/V read in place) on a CPU where the kernels build, ``triton`` on a GPU where
+    triton is installed, else ``torch``."""
     if device.startswith("cpu"):
         from tokenmill.kernels import cpu
 
         if cpu.load() is not None:
             return "cpu"
+    elif device.startswith("cuda") and has_triton():
+        return "triton"
     return "torch"
 
 
 register_backend("torch", _torch_backend)
 register_backend("cpu", _cpu_backend)
+register_backend("triton", _triton_backend)
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "default_backend", "get_backend",
-           "register_backend"]
+           "has_triton", "register_backend"]

@@ -64,7 +64,7 @@ class AttentionBackend(ABC):
         k_cache, v_cache = kv_cache
         row_shape = k_cache.shape[-2:]  # (num_kv_heads, head_dim [+ SCALE_BYTES])
         if is_quantized(k_cache):
-            k, v = pack(k), pack(v)
+            k, v = pack(k, k_cache.dtype), pack(v, v_cache.dtype)
         k_cache.view(-1, *row_shape).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *row_shape).index_copy_(0, slot_mapping, v)
 

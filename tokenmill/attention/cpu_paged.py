@@ -113,21 +113,23 @@ class CpuPagedBackend(AttentionBackend):
     the values: per block and head, K is ``head_dim`` rows of ``block_size`` int8 then the
     block's ``block_size`` float16 scales; V is token-major rows of ``head_dim`` int8 and the
     float16 scale. The kernel reads the int8 values in place and applies the K scale to each
-    score and the V scale to each probability, so no block is ever dequantized to memory."""
+    score and the V scale to each probability, so no block is ever dequantized to memory. An
+    fp8 cache (meant for GPUs) is attended by the reference, in the reference's layout."""
 
     name = "cpu"
 
     def __init__(self, ops):
         self.ops = ops
         self._fallback: TorchReferenceBackend | None = None
-        self._checked: tuple[int, int] | None = None
+        self._checked: tuple | None = None
 
     def _reference_for(self, kv_cache) -> TorchReferenceBackend | None:
         k_cache = kv_cache[0]
-        shape = (cache_head_dim(k_cache), k_cache.shape[1])  # head_dim, block_size
+        shape = (cache_head_dim(k_cache), k_cache.shape[1], k_cache.dtype)  # head_dim, block
         if shape != self._checked:
             self._checked = shape
-            self._fallback = None if self.ops.supports(*shape) else TorchReferenceBackend()
+            ok = self.ops.supports(*shape[:2]) and k_cache.dtype != torch.uint8  # not fp8
+            self._fallback = None if ok else TorchReferenceBackend()
         return self._fallback
 
     def store_kv(self, k, v, kv_cache, slot_mapping) -> None:

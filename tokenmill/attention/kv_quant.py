@@ -1,4 +1,4 @@
-"""int8 KV cache: symmetric quantization with one float16 scale per (token, KV head).
+"""Quantized KV caches: int8 (or fp8) values with one float16 scale per (token, KV head).
 
 A token's K (or V) vector of one KV head, ``x`` of ``head_dim`` values, is stored as
 
@@ -15,6 +15,12 @@ The scale lives in the same int8 tensor as the values: a cache of ``head_dim`` v
 float16 bits. Which bytes hold what inside a block is each backend's layout (see
 ``runner/kv_cache.py``); the helpers here are for the reference layout, token-major rows of
 ``(..., head_dim + SCALE_BYTES)``. Pure torch ops: they run on any device.
+
+fp8 (``--kv-cache-dtype fp8``, read by the torch and triton backends) is the same layout in a
+uint8 tensor: the values are float8 e4m3 bits, ``scale = absmax(x) / 448`` (e4m3's largest
+finite value) rounded up to float16, ``q = float8_e4m3(x / scale)`` rounded to nearest, so each
+element keeps 3 mantissa bits (relative error at most 2^-4; below 2^-6 * scale, e4m3's
+subnormals, an absolute error of at most 2^-10 * scale).
 """
 
 from __future__ import annotations
@@ -23,10 +29,14 @@ import torch
 
 SCALE_BYTES = 2  # a float16 scale after each (token, head)'s int8 values
 _HALF_MAX_BITS = 0x7BFF  # 65504, the largest finite float16
+FP8_MAX = 448.0  # the largest finite float8 e4m3
+# cache tensor dtype -> the largest quantized value
+QUANT_MAX = {torch.int8: 127.0, torch.uint8: FP8_MAX}
 
 
 def is_quantized(cache: torch.Tensor) -> bool:
-    return cache.dtype == torch.int8
+    """int8 values, or fp8 (e4m3) bits in uint8, each row ending in its float16 scale."""
+    return cache.dtype in QUANT_MAX
 
 
 def cache_head_dim(cache: torch.Tensor) -> int:
@@ -41,24 +51,32 @@ def round_up_half(s: torch.Tensor) -> torch.Tensor:
     return bits.clamp_(max=_HALF_MAX_BITS).view(torch.float16)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (..., D) float -> (int8 values (..., D), float16 scales (...))."""
+def quantize(x: torch.Tensor, cache_dtype: torch.dtype = torch.int8
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (..., D) float -> (values (..., D) in ``cache_dtype``: int8, or fp8 bits as uint8;
+    float16 scales (...))."""
     xf = x.float()
-    scale = round_up_half(xf.abs().amax(-1) / 127)
+    scale = round_up_half(xf.abs().amax(-1) / QUANT_MAX[cache_dtype])
     s = scale.float().unsqueeze(-1)
-    q = torch.round(xf / torch.where(s > 0, s, 1.0)).clamp_(-127, 127)
-    return q.to(torch.int8), scale
+    scaled = xf / torch.where(s > 0, s, 1.0)
+    if cache_dtype == torch.uint8:
+        return scaled.to(torch.float8_e4m3fn).view(torch.uint8), scale
+    return torch.round(scaled).clamp_(-127, 127).to(torch.int8), scale
 
 
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (..., D) float -> quantized rows (..., D + SCALE_BYTES) int8, the reference layout."""
-    q, scale = quantize(x)
-    return torch.cat([q, scale.unsqueeze(-1).view(torch.int8)], dim=-1)
+def pack(x: torch.Tensor, cache_dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """``x`` (..., D) float -> quantized rows (..., D + SCALE_BYTES) of ``cache_dtype`` (int8,
+    or uint8 holding fp8), the reference layout."""
+    q, scale = quantize(x, cache_dtype)
+    return torch.cat([q, scale.unsqueeze(-1).view(cache_dtype)], dim=-1)
 
 
 def unpack(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows (..., D + SCALE_BYTES) int8 (last dim contiguous) -> dequantized (..., D) ``dtype``
-    (multiplied in float32, rounded once to ``dtype``)."""
+    """Rows (..., D + SCALE_BYTES), int8 or fp8-in-uint8 (last dim contiguous) -> dequantized
+    (..., D) ``dtype`` (multiplied in float32, rounded once to ``dtype``)."""
     d = rows.shape[-1] - SCALE_BYTES
     scale = rows[..., d:].view(torch.float16)  # (..., 1)
-    return (rows[..., :d].float() * scale.float()).to(dtype)
+    values = rows[..., :d]
+    if rows.dtype == torch.uint8:
+        values = values.view(torch.float8_e4m3fn)
+    return (values.float() * scale.float()).to(dtype)

@@ -77,6 +77,8 @@ class EngineInfo:
     attention_backend: str = "torch"
     quantization: str = "none"  # the linear weights' format as loaded (none, int8, int4, ...)
     kv_cache_dtype: str = "auto"
+    # decode batch sizes replayed from CUDA graphs, e.g. "1,2,4,8,16,...,64"; "off" when none
+    cuda_graphs: str = "off"
     hardware: dict = field(default_factory=dict)  # the CPU and its instruction sets
     speculative: dict = field(default_factory=dict)  # method and k; empty when off
 
@@ -181,12 +183,15 @@ class LLMEngine:
         num_blocks = num_kv_blocks(model, cache.block_size, getattr(torch, dtype), config.device,
                                    cache.kv_cache_memory, cache.num_blocks, draft_bytes,
                                    config.kv_cache_dtype)
-        runner = ModelRunner(loaded, num_blocks, cache.block_size, config.device,
-                             config.kv_cache_dtype)
-        proposer = build_decoder(config.speculative, draft, num_blocks, cache.block_size,
-                                 config.device, config.scheduler.max_num_batched_tokens)
         max_len = min(config.scheduler.max_model_len or model.max_position_embeddings,
                       model.max_position_embeddings)
+        runner = ModelRunner(loaded, num_blocks, cache.block_size, config.device,
+                             config.kv_cache_dtype)
+        if (torch.device(config.device).type == "cuda" and backend == "triton"
+                and not config.enforce_eager):
+            runner.capture_graphs(config.scheduler.max_num_seqs, max_len)
+        proposer = build_decoder(config.speculative, draft, num_blocks, cache.block_size,
+                                 config.device, config.scheduler.max_num_batched_tokens)
         scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), cache,
                               num_blocks=num_blocks,
                               eos_token_ids={*tokenizer.eos_token_ids, *model.eos_token_ids})
@@ -194,10 +199,12 @@ class LLMEngine:
                           (num_blocks - 1) * cache.block_size,  # block 0 is padding
                           config.scheduler.max_num_seqs, cache.block_size, dtype,
                           dtype_reason, backend, loaded.quantization, config.kv_cache_dtype,
+                          runner.graphs_description(),
                           cpu_description() if config.device.startswith("cpu") else {},
                           spec_description(config.speculative, draft) if proposer else {})
-        logger.info("compute dtype %s (%s); weights %s; KV cache %s; attention backend %s; %s",
-                    dtype, dtype_reason, loaded.quantization, config.kv_cache_dtype, backend,
+        logger.info("compute dtype %s (%s); weights %s; KV cache %s; attention backend %s; "
+                    "CUDA graphs %s; %s", dtype, dtype_reason, loaded.quantization,
+                    config.kv_cache_dtype, backend, info.cuda_graphs,
                     info.hardware or config.device)
         if proposer is not None:
             logger.info("speculative decoding: %s", info.speculative)

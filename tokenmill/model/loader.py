@@ -16,6 +16,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.cpu import load as load_cpu_kernels
 from tokenmill.model.layers import Embedding, Linear, pack_linear_weights
 from tokenmill.model.quant import INT4_GROUP, QUANTIZATIONS, QuantWeight, concat_rows
+from tokenmill.model.quant import quantize_fp8
 from tokenmill.model.quant import dequantize
 from tokenmill.model.quant import quantize_int4, quantize_int8, takes_int8_activations
 from tokenmill.model.quant import use_int8_activations
@@ -55,10 +56,16 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of "
                          f"{', '.join(QUANTIZATIONS)}")
-    if quantization != "none" and torch.device(device).type != "cpu":
+    on_gpu = torch.device(device).type == "cuda"
+    if quantization == "fp8":
+        check_fp8(device)
+    elif quantization != "none" and torch.device(device).type != "cpu":
         log.warning("--quantization %s runs on CPUs only for now: on %s the weights are "
                     "dequantized at load", quantization, device)
         quantization = "none"
+    if quantization == "fp8" and not on_gpu:
+        log.warning("--quantization fp8 is meant for GPUs (Hopper); on %s it runs through "
+                    "PyTorch's reference fp8 matmul", device)
     source = resolve_model(model)
     if source.kind == "gguf":
         from tokenmill.model.gguf_file import gguf_model_config, gguf_weights, open_gguf
@@ -85,6 +92,15 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     return LoadedModel(module, cfg, source, described)
 
 
+def check_fp8(device: str) -> None:
+    """fp8 matmuls need a GPU of compute capability 8.9 or above (Ada, Hopper) on CUDA."""
+    if torch.device(device).type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"--quantization fp8 needs a GPU of compute capability 8.9 or "
+                             f"above (Ada, Hopper); this one is {major}.{minor}")
+
+
 def quantize_model(module: nn.Module, quantization: str) -> str:
     """Put the linear layers in their quantized form after loading: join the GGUF blocks kept
     by ``auto``, or quantize float weights for ``int8`` / ``int4``. The output layer gets int8
@@ -103,6 +119,14 @@ def quantize_model(module: nn.Module, quantization: str) -> str:
     linears = [m for m in module.modules() if isinstance(m, Linear)]
     for layer in linears:
         layer.finish_quantized()
+    if quantization == "fp8":
+        # every linear layer but the output layer (it decides each token; vLLM's fp8 keeps it
+        # in the compute dtype too)
+        for layer in linears:
+            if layer.weight is not None and layer is not lm_head:
+                layer.set_quantized(quantize_fp8(layer.weight.detach()))
+        kinds = Counter(layer.quant.kind for layer in linears if layer.quant is not None)
+        return ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
     if quantization in ("int8", "int4"):
         for layer in linears:
             if layer.weight is None:

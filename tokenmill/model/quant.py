@@ -8,6 +8,10 @@ per group of input features:
     4 bits: w = scale * q + zero,  q 0..15   groups of 32: GGUF Q4_0 (zero = -8 scale), Q4_1,
                                              or tokenmill's own min/max quantization
 
+fp8 (``--quantization fp8``, for Hopper GPUs): ``w = scale * q`` with q float8 e4m3 and one
+float32 scale per output feature (absmax / 448); the activations are quantized to e4m3 per row
+(token) on the fly and the product runs through ``torch._scaled_mm`` with both scales.
+
 A 4-bit row keeps each 32 weights in 16 bytes, weight j in the low nibble of byte j and weight
 j + 16 in its high nibble -- the order of GGUF's Q4 blocks, so a GGUF tensor's quantized bytes
 are copied, not re-quantized, and its float16 scales are kept exactly. The compiled CPU kernel
@@ -24,7 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-QUANTIZATIONS = ("none", "auto", "int8", "int4")
+QUANTIZATIONS = ("none", "auto", "int8", "int4", "fp8")
+FP8_MAX = 448.0  # the largest finite float8 e4m3
 INT4_GROUP = 32  # input features per scale and offset (GGUF's block)
 # int8's scales per 32 inputs (as Q8_0): perplexity of the default model +0.84% with one scale
 # per output feature, -0.4% (noise) with these (docs/performance.md)
@@ -40,12 +45,12 @@ DENSE_ROWS = 16
 
 @dataclass
 class QuantWeight:
-    qweight: torch.Tensor  # int8 (N, K), or uint8 (N, K / 2) for 4 bits
+    qweight: torch.Tensor  # int8 (N, K), uint8 (N, K / 2) for 4 bits, float8_e4m3fn for fp8
     scales: torch.Tensor  # (N, K / group_size), float16 or float32
     zeros: torch.Tensor | None  # 4 bits: like scales
     bits: int
     group_size: int
-    kind: str  # how it was made: "int8", "int4", "q8_0", "q4_0", "q4_1"
+    kind: str  # how it was made: "int8", "int4", "q8_0", "q4_0", "q4_1", "fp8"
     # int8 in groups of 32 multiplied with int8 activations (W8A8): per row, the sum over its
     # groups of scale * sum of q (float32), which takes the activations' offset back out
     act_offsets: torch.Tensor | None = None
@@ -120,6 +125,30 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = INT8_GROUP) -> Quant
                        "int8")
 
 
+def quantize_fp8(w: torch.Tensor) -> QuantWeight:
+    """float8 e4m3 with one float32 scale per output feature (absmax / 448: no value
+    saturates; each keeps 3 mantissa bits)."""
+    w = w.detach().float()
+    n, k = w.shape
+    scales = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(
+        torch.finfo(torch.float32).tiny)
+    q = (w / scales).to(torch.float8_e4m3fn)
+    return QuantWeight(q.contiguous(), scales.contiguous(), None, 8, k, "fp8")
+
+
+def fp8_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with x quantized to e4m3 per row (dynamic scales) and W fp8."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    xq = (x2.float() / x_scale).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(xq, qw.qweight.t(), scale_a=x_scale, scale_b=qw.scales.t(),
+                           out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], out.shape[-1])
+
+
 def quantize_int4(w: torch.Tensor, group_size: int = INT4_GROUP) -> QuantWeight:
     """Asymmetric 4 bits per group of ``group_size`` inputs: the group's minimum as the offset,
     (max - min) / 15 as the scale. Scales and offsets are float16 where every one of them is
@@ -188,7 +217,10 @@ def concat_rows(parts: Sequence[QuantWeight]) -> QuantWeight | None:
 def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None,
                  ops) -> torch.Tensor:
     """``x @ W.T + bias`` for a quantized W: from the quantized bytes with the CPU kernels at
-    up to ``DENSE_ROWS`` rows, else through a dequantized copy in x's dtype."""
+    up to ``DENSE_ROWS`` rows, else through a dequantized copy in x's dtype (fp8: always
+    ``fp8_linear``)."""
+    if qw.kind == "fp8":
+        return fp8_linear(x, qw, bias)
     if ops is not None and x.device.type == "cpu":
         if qw.int8_activations and x.shape[0] <= DENSE_ROWS:
             if qw.bits == 4:

@@ -58,14 +58,22 @@ def build_flat_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.
         query_start.append(query_start[-1] + n)
         seq_lens.append(start + n)
     max_blocks = max(len(c.block_table) for c in chunks)
-    tables = [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in chunks]
-
-    def t(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
+    tables = [x for c in chunks
+              for x in (*c.block_table, *[0] * (max_blocks - len(c.block_table)))]
+    ids, pos, qsl, lens, table, slot, rows = to_device(
+        [input_ids, positions, query_start, seq_lens, tables, slots, logits_rows], device)
     meta = AttentionMetadata(
-        query_start_loc=t(query_start), seq_lens=t(seq_lens), block_tables=t(tables),
-        slot_mapping=t(slots), query_lens_host=[len(c.token_ids) for c in chunks],
+        query_start_loc=qsl, seq_lens=lens, block_tables=table.view(len(chunks), max_blocks),
+        slot_mapping=slot, query_lens_host=[len(c.token_ids) for c in chunks],
         seq_lens_host=seq_lens, block_size=block_size,
         block_tables_host=[c.block_table for c in chunks])
-    return FlatBatch(t(input_ids), t(positions), meta, t(logits_rows))
+    return FlatBatch(ids, pos, meta, rows)
+
+
+def to_device(parts: list[list[int]], device: torch.device | str) -> list[torch.Tensor]:
+    """int64 tensors of ``parts`` on ``device``: on a GPU all of them through one pinned host
+    tensor and one non-blocking copy (the host goes on building the step), then views."""
+    if torch.device(device).type == "cpu":
+        return [torch.tensor(p, dtype=torch.int64) for p in parts]
+    host = torch.tensor([x for p in parts for x in p], dtype=torch.int64).pin_memory()
+    return list(host.to(device, non_blocking=True).split([len(p) for p in parts]))

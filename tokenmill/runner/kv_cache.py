@@ -21,6 +21,9 @@ scale per (token, KV head), symmetric (scale = absmax / 127 rounded up to float1
 
 Bytes per (token, head) for head_dim 64: 66 (int8) against 128 (bfloat16 / float16) and 256
 (float32), so the same budget holds 64/33 = 1.94x the tokens of bf16 and 3.88x of float32.
+
+``kv_cache_dtype="fp8"``: the same rows in uint8 tensors, the values float8 e4m3 bits (for GPUs,
+read by the triton and torch backends; the cpu backend reads int8 only).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from tokenmill.attention.kv_quant import SCALE_BYTES
 from tokenmill.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+_QUANTIZED = {"int8": torch.int8, "fp8": torch.uint8}  # the cache tensors' dtype
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
@@ -44,10 +48,11 @@ def kv_row_shape(cfg: ModelConfig, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto") -> tuple[tuple[int, int], torch.dtype]:
     """One slot's shape, (num_kv_heads, head_dim [+ scale bytes]), and the cache tensors' dtype."""
     check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "int8":
-        if cfg.head_dim % 2:
-            raise ValueError(f"an int8 KV cache needs an even head_dim, not {cfg.head_dim}")
-        return (cfg.num_kv_heads, cfg.head_dim + SCALE_BYTES), torch.int8
+    if kv_cache_dtype in _QUANTIZED:
+        if cfg.head_dim % 2:  # the float16 scale after the values must be aligned
+            raise ValueError(f"an {kv_cache_dtype} KV cache needs an even head_dim, not "
+                             f"{cfg.head_dim}")
+        return (cfg.num_kv_heads, cfg.head_dim + SCALE_BYTES), _QUANTIZED[kv_cache_dtype]
     return (cfg.num_kv_heads, cfg.head_dim), dtype
 
 

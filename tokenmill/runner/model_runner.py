@@ -22,6 +22,7 @@ import torch
 
 from tokenmill.model.loader import LoadedModel
 from tokenmill.runner.batch import Chunk, SeqChunk, build_flat_batch
+from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.kv_cache import allocate_kv_cache
 from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
 from tokenmill.sched.output import ModelOutput, ScheduledChunk, num_matching_drafts
@@ -43,11 +44,31 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.device, dtype,
                                            kv_cache_dtype)
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Replay plain decode steps of up to ``max_num_seqs`` sequences from CUDA graphs (the
+        model's attention backend must be graph-safe: ``triton``)."""
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs,
+                              max_model_len, self.device)
+        self.graph_capture = graphs.capture()
+        self.graphs = graphs
+
+    def graphs_description(self) -> str:
+        if self.graphs is None:
+            return "off"
+        r = self.graph_capture
+        return (f"batches {','.join(map(str, r.buckets))} ({r.seconds:.1f} s, "
+                f"{r.memory_bytes / 2**20:.0f} MiB)")
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk], all_logits: bool = False) -> torch.Tensor:
         """Run one step; logits (float32) for the last ``num_logits`` positions of each chunk,
         in order (or for every token when ``all_logits``)."""
+        if self.graphs is not None and not all_logits:
+            logits = self.graphs.run(chunks)
+            if logits is not None:
+                return logits
         batch = build_flat_batch(chunks, self.block_size, self.device, all_logits)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
                           batch.logits_indices)
