@@ -727,3 +727,53 @@ def test_tied_logprobs_list_the_greedy_token_first():
     (lp,) = compute_logprobs(logits, token, [3])
     assert [t for t, _ in lp.top] == [2, 5, 6]
     assert lp.rank == 3  # vLLM's rank: ties count against the token
+
+
+# --- seeded rows drawn in one batch (the GPU's way) ---------------------------------------------
+
+def test_hashed_uniform_is_splitmix64_of_seed_and_column() -> None:
+    from tokenmill.runner.sampler import _signed, hashed_uniform
+
+    def reference(seed: int, j: int) -> float:  # the unsigned 64-bit arithmetic, in Python
+        mask = (1 << 64) - 1
+        z = (seed + j * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        return ((z >> 41) * 2 + 1) / (1 << 24)
+
+    seeds = [0, 5, (1 << 64) - 7, position_seed(3, 10, 1)]
+    u = hashed_uniform(torch.tensor([_signed(s) for s in seeds]), 2000)
+    for r, seed in enumerate(seeds):
+        for j in (0, 1, 999, 1999):
+            assert u[r, j].item() == reference(seed, j + 1)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.std().item() - 12 ** -0.5) < 0.01
+
+
+def test_hashed_seeds_draw_by_position_in_any_batch() -> None:
+    sampler = lambda seed=None: Sampler(seed=seed, hashed_seeds=True)  # noqa: E731
+    target = row(SamplingParams(seed=42, top_p=0.95), "t")
+    alone = run_steps(sampler(), flat_logits(), target, 12)
+    assert len(set(alone)) > 1
+    others = [row(SamplingParams(), "u"), row(SamplingParams(seed=42, temperature=0.8), "o"),
+              row(GREEDY, "g")]
+    for position in (0, 2):
+        assert run_steps(sampler(position), flat_logits(), target, 12, others,
+                         position) == alone
+    assert run_steps(sampler(), flat_logits(), row(SamplingParams(seed=43), "t"), 12) != alone
+    # speculative rows of one sequence: the same draws as consecutive steps
+    rows = [row(SamplingParams(seed=11), "s", output=[9] * i) for i in range(6)]
+    logits = flat_logits().expand(6, -1).contiguous()
+    assert sampler()(logits, rows).token_ids == run_steps(sampler(), flat_logits(), rows[0], 6)
+
+
+def test_hashed_seeded_draws_match_softmax() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2]])
+    n = 4000
+    rows = [row(SamplingParams(seed=1000 + i), f"q{i}") for i in range(n)]
+    tokens = torch.tensor(Sampler(hashed_seeds=True)(logits.expand(n, -1).contiguous(),
+                                                      rows).token_ids)
+    expected = logits[0].softmax(0) * n
+    counts = torch.bincount(tokens, minlength=8).float()
+    assert ((counts - expected) ** 2 / expected).sum().item() < 24.3  # chi-square, p = 0.001

@@ -38,6 +38,13 @@ Randomness: a row whose ``params.seed`` is set draws from a generator seeded wit
 on which other rows share the batch, or where, nor on how many steps produced them: a
 sequence's token at position i is the same whether it was sampled alone or verified against a
 draft without a distribution. Unseeded rows share one generator.
+
+On a GPU the seeded rows do not take a generator each (a seed and a kernel launch per row and
+stream): their draws are counter-based, ``u[row, token] = splitmix64(position_seed + (token + 1)
+* golden) -> (0, 1)``, computed for all seeded rows of a step in one batch of elementwise ops
+(``hashed_uniform``; ``Sampler(hashed_seeds=True)`` does the same on a CPU, where the per-row
+generators are faster). The draws are as reproducible and batch-independent as the generators',
+but a different stream.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ _U64 = (1 << 64) - 1  # torch.Generator.manual_seed takes seeds modulo 2**64
 SAMPLE, DRAFT, ACCEPT, RESIDUAL = range(4)
 # Exponential(1) draws this close to 0 would turn probs / q into inf or nan.
 _MIN_NOISE = 1e-20
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
 @dataclass
@@ -99,8 +107,11 @@ class Sampler:
     """Picks one token per row; holds the shared random generator (and nothing else)."""
 
     def __init__(self, seed: int | None = None,
-                 processors: Sequence[LogitsProcessor] | None = None) -> None:
+                 processors: Sequence[LogitsProcessor] | None = None,
+                 hashed_seeds: bool | None = None) -> None:
         self._seed = seed  # of the generator shared by unseeded rows; None: nondeterministic
+        # seeded rows drawn by hashed_uniform in one batch (None: on GPUs), else a generator each
+        self._hashed_seeds = hashed_seeds
         self.processors: tuple[LogitsProcessor, ...] = tuple(
             default_processors() if processors is None else processors)
         # Sampled-only stages that end the list run on the sampled rows gathered once; a list
@@ -200,6 +211,15 @@ class Sampler:
         if len(seeded) < len(rows):
             # Seeded rows are overwritten below; drawing them here too keeps this one kernel.
             fill(q, self._shared_generator(like.device))
+        hashed = self._hashed_seeds
+        if seeded and (hashed or (hashed is None and like.device.type != "cpu")):
+            seeds = torch.tensor([_signed(position_seed(r.params.seed + r.seq_index,
+                                                        len(r.output_token_ids), stream))
+                                  for _, r in seeded], dtype=torch.int64)
+            u = hashed_uniform(seeds.to(like.device), like.shape[-1])
+            idx = torch.tensor([i for i, _ in seeded], device=like.device)
+            q[idx] = u if uniform else u.log_().neg_()
+            seeded = []
         for i, row in seeded:
             fill(q[i], self._row_generator(row, stream, like.device))
         return q if uniform else q.clamp_min_(_MIN_NOISE)
@@ -234,6 +254,31 @@ def position_seed(seed: int, position: int, stream: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
     return z ^ (z >> 31)
+
+
+def _signed(x: int) -> int:
+    """A 64-bit unsigned value as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_MIX1, _MIX2, _STEP = (_signed(c) for c in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, _GOLDEN))
+
+
+def _shift_right(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> keeps the sign)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def hashed_uniform(seeds: torch.Tensor, width: int) -> torch.Tensor:
+    """(rows,) int64 seeds -> (rows, width) float32 uniforms in (0, 1): splitmix64 of
+    ``seed + (j + 1) * golden`` for column j (int64 products wrap, as the unsigned ones do),
+    its top 23 bits as ``(2k + 1) / 2^24`` (exact in float32, never 0 or 1)."""
+    j = torch.arange(1, width + 1, dtype=torch.int64, device=seeds.device)
+    z = seeds[:, None] + j[None, :] * _STEP
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return (_shift_right(z, 41) * 2 + 1).float().mul_(1.0 / (1 << 24))
 
 
 def exponential_(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
