@@ -112,3 +112,44 @@ def test_bf16_linear_for_few_rows_matches_float_reference(rows, bias):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 36)
     # float32 sums rounded once to bf16: within half a bf16 step of the output's size
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.skipif(ops is None or not getattr(ops, "has_bf16_gemm", False),
+                    reason="needs AVX512-BF16")
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 13, 64, 70])
+@pytest.mark.parametrize("n,k", [(48, 33), (64, 576), (16, 2)])  # odd K, whole tiles, tiny
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_linear_matches_float_reference(rows, n, k, bias):
+    """The vdpbf16ps kernel on a packed weight (any row count, an odd block of 16 features,
+    an odd K whose last input pairs with a packed zero), through Linear once packed."""
+    from tokenmill.model.layers import Linear
+
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    layer = Linear(k, n, bias=bias)
+    layer.weight.data = torch.randn(n, k, generator=g).bfloat16()
+    if bias:
+        layer.bias.data = torch.randn(n, generator=g).bfloat16()
+    w = layer.weight.detach().clone()
+    layer.cpu_ops = ops
+    assert layer.pack_for_cpu(keep_dense=False, ops=ops)
+    assert layer.weight is None and layer.packed_bf16.shape == (n // 16, (k + 1) // 2, 16, 2)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    got = layer(x)
+    want = F.linear(x.float(), w.float(), None if not bias else layer.bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)
+    # strided rows (a view) and a leading batch dimension
+    wide = torch.randn(2, rows, 2 * k, generator=g).bfloat16()[..., :k]
+    torch.testing.assert_close(layer(wide).float(), F.linear(wide.float(), w.float(),
+                               None if not bias else layer.bias.float()), rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.skipif(ops is None or not getattr(ops, "has_bf16_gemm", False),
+                    reason="needs AVX512-BF16")
+def test_packing_needs_whole_blocks_of_16_features():
+    from tokenmill.model.layers import Linear
+
+    layer = Linear(64, 36)  # 36 features: the plain weight stays (linear_bf16_rows, oneDNN)
+    layer.weight.data = torch.randn(36, 64).bfloat16()
+    assert not layer.pack_for_cpu(keep_dense=False, ops=ops)
+    assert layer.weight is not None and layer.packed_bf16 is None

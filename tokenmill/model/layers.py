@@ -31,7 +31,8 @@ def empty_param(*shape: int) -> nn.Parameter:
     return p
 
 
-# Rows of input up to which the CPU kernels' bf16 linear beats oneDNN's on AVX512-BF16
+# Rows of input up to which the CPU kernels' bf16 linear (on the plain weight; the layers that
+# cannot be packed, see Linear.pack_for_cpu) beats oneDNN's on AVX512-BF16
 # (1.2-1.9x at 1-4 rows alone, benchmarks/linear_kernels.py; in the whole default model's
 # forward it is still 1.1-1.35x faster at 5-8 rows, the sizes a speculative verification of
 # 4-7 drafts runs at; about even at 9, oneDNN ahead from 16 -- AMD EPYC Zen 4, 2 cores)
@@ -44,6 +45,8 @@ class Linear(nn.Module):
         self.weight = empty_param(out_features, in_features)
         self.bias = empty_param(out_features) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU, fp32)
+        # bf16 on a CPU with AVX512-BF16: the weight in the kernels' vdpbf16ps layout
+        self.packed_bf16: torch.Tensor | None = None
         self.cpu_ops = None  # set by the loader when the CPU kernels are in use
         # quantized weights (model/quant.py) replacing ``weight``, and the kernels that
         # multiply them (the CPU kernels whatever the attention backend; None: dequantize)
@@ -55,6 +58,13 @@ class Linear(nn.Module):
         if self.quant is not None:
             return quant_linear(x, self.quant, self.bias, self.quant_ops)
         ops = self.cpu_ops
+        if self.packed_bf16 is not None:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            shape = x.shape
+            out = ops.linear_bf16_packed(x.reshape(-1, shape[-1]).to(torch.bfloat16),
+                                         self.packed_bf16, self.bias)
+            return out.view(*shape[:-1], out.shape[-1])
         if (ops is not None and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16
                 and ops.has_bf16_dot and self.weight.shape[0] % 4 == 0):
             # a few rows (decode at small batch): a pass over bf16 weights at memory speed
@@ -94,33 +104,43 @@ class Linear(nn.Module):
         self.quant = qw.to(self.weight.device)
         self.weight = None
 
-    def pack_for_cpu(self, keep_dense: bool) -> bool:
-        """Move the weight into oneDNN's layout when that kernel applies (fp32 on a CPU).
+    def pack_for_cpu(self, keep_dense: bool, ops=None) -> bool:
+        """Move the weight into the layout of the kernel that multiplies it best on a CPU.
 
-        MKL's dense sgemm streams a [N, K] weight poorly when only a few rows of input come in
-        (decode); oneDNN's inner-product on the same weights is 1.4-1.7x faster at 1-32 rows
-        (benchmarks/model_speed.py). The dense copy is dropped unless another module shares it
-        (tied embeddings). Returns whether the weight was packed.
+        float32: oneDNN's. MKL's dense sgemm streams a [N, K] weight poorly when only a few
+        rows of input come in (decode); oneDNN's inner-product on the same weights is 1.4-1.7x
+        faster at 1-32 rows (benchmarks/model_speed.py).
+        bfloat16 with the CPU kernels on AVX512-BF16 (N a multiple of 16): their vdpbf16ps
+        layout (``csrc/bf16_gemm.h``), ahead of oneDNN at every batch size measured, 1.3-2.2x at
+        1-64 rows (benchmarks/linear_kernels.py).
+        The dense copy is dropped unless another module shares it (tied embeddings). Returns
+        whether the weight was packed.
         """
         w = self.weight
-        if (w is None or w.device.type != "cpu" or w.dtype != torch.float32
-                or not torch.backends.mkldnn.is_available()):
+        if w is None or w.device.type != "cpu":
             return False
-        self.packed = w.detach().to_mkldnn()
+        if (w.dtype == torch.bfloat16 and ops is not None
+                and getattr(ops, "has_bf16_gemm", False) and w.shape[0] % 16 == 0):
+            self.packed_bf16 = ops.pack_bf16_weight(w.detach())
+        elif w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            self.packed = w.detach().to_mkldnn()
+        else:
+            return False
         if not keep_dense:
             self.weight = None
         return True
 
 
-def pack_linear_weights(module: nn.Module) -> int:
-    """``Linear.pack_for_cpu`` over every linear layer of ``module``; returns how many."""
+def pack_linear_weights(module: nn.Module, ops=None) -> int:
+    """``Linear.pack_for_cpu`` over every linear layer of ``module`` (``ops``: the compiled CPU
+    kernels, when in use); returns how many."""
     uses: dict[int, int] = {}
     for _, param in module.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
     packed = 0
     for layer in module.modules():
         if isinstance(layer, Linear) and layer.weight is not None:
-            packed += layer.pack_for_cpu(keep_dense=uses[id(layer.weight)] > 1)
+            packed += layer.pack_for_cpu(keep_dense=uses[id(layer.weight)] > 1, ops=ops)
     return packed
 
 

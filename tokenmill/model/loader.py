@@ -84,8 +84,8 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     module = build_model(cfg, device, backend)
     load_weights(module, weights, str(source.path))
     described = quantize_model(module, quantization)
-    pack_linear_weights(module)
     ops = getattr(backend, "ops", None)  # the compiled CPU kernels also fuse the layers' steps
+    pack_linear_weights(module, ops)
     for layer in module.modules():
         if hasattr(layer, "cpu_ops"):
             layer.cpu_ops = ops

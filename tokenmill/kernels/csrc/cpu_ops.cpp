@@ -810,6 +810,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }  // namespace
 
 #include "quant_ops.h"
+#include "bf16_gemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs, as PyTorch's own ops do, so the server's event
@@ -828,4 +829,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", release());
   register_quant_ops(m);
+#ifdef TOKENMILL_HAS_BF16_GEMM
+  m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 weight in linear_bf16_packed's layout");
+  m.def("linear_bf16_packed", &linear_bf16_packed,
+        "bf16 linear over a packed weight, any number of rows (AVX512-BF16)", release());
+  m.attr("has_bf16_gemm") = true;
+#else
+  m.attr("has_bf16_gemm") = false;
+#endif
 }

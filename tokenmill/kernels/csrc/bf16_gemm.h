@@ -1,0 +1,151 @@
+// bf16 linear layers over a weight packed for vdpbf16ps (AVX512-BF16), for batches of rows.
+//
+// vdpbf16ps multiplies 16 pairs of bf16 and adds each pair's sum into a float32 lane. With the
+// weight packed so that one 64-byte load holds, for 16 output features, the pair of weights at
+// inputs 2k and 2k+1, each lane is one output feature: the input pair (x[2k], x[2k+1]) of a row
+// is broadcast to all lanes and no horizontal sums are needed. Packed layout of W (N, K):
+//
+//   [N / 16 column blocks][K / 2 pairs][16 features][2]   (K padded to even with zeros)
+//
+// A tile is ROWS input rows x 32 output features (two column blocks): 2 * ROWS accumulators,
+// per input pair two weight loads and ROWS broadcasts; the weights of a column block (K * 64
+// bytes) stay in L2 while every row tile of the batch passes over them. Work is split over
+// pairs of column blocks. Included by cpu_ops.cpp.
+
+#pragma once
+
+#if defined(__AVX512BF16__)
+
+namespace {
+
+constexpr int64_t kPackCols = 16;  // output features per column block (one zmm of float32)
+
+at::Tensor pack_bf16_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "pack_bf16_weight: bf16 weight (N, K)");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % kPackCols == 0, "pack_bf16_weight: N must be a multiple of 16");
+  const int64_t pairs = (k + 1) / 2;
+  at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::zeros({n / kPackCols, pairs, kPackCols, 2}, weight.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, n / kPackCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t c = 0; c < kPackCols; ++c) {
+        const uint16_t* row = src + (b * kPackCols + c) * k;
+        uint16_t* out = dst + b * pairs * kPackCols * 2 + c * 2;
+        for (int64_t i = 0; i < k; ++i) out[(i / 2) * kPackCols * 2 + (i % 2)] = row[i];
+      }
+  });
+  return packed;
+}
+
+// ROWS rows of x times NB column blocks (NB * 16 features) starting at `w`.
+template <int ROWS, int NB>
+inline void gemm_tile(const uint16_t* x, int64_t x_stride, int64_t k_len, const uint16_t* w,
+                      int64_t block_stride, float* out, int64_t out_stride) {
+  __m512 acc[ROWS][NB];
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  const int64_t full_pairs = k_len / 2;
+  for (int64_t p = 0; p < full_pairs; ++p) {
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b)
+      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * block_stride + p * kPackCols * 2);
+    for (int r = 0; r < ROWS; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+    }
+  }
+  if (k_len % 2) {  // the last input alone (its packed partner is zero)
+    const int64_t p = full_pairs;
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b)
+      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * block_stride + p * kPackCols * 2);
+    for (int r = 0; r < ROWS; ++r) {
+      const uint32_t pair = x[r * x_stride + 2 * p];
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * out_stride + b * 16, acc[r][b]);
+}
+
+template <int NB>
+inline void gemm_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t k_len,
+                      const uint16_t* w, int64_t block_stride, float* out, int64_t out_stride) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8)
+    gemm_tile<8, NB>(x + r * x_stride, x_stride, k_len, w, block_stride, out + r * out_stride,
+                     out_stride);
+  switch (rows - r) {
+    case 7: gemm_tile<7, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
+                             out + r * out_stride, out_stride); break;
+    case 6: gemm_tile<6, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
+                             out + r * out_stride, out_stride); break;
+    case 5: gemm_tile<5, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
+                             out + r * out_stride, out_stride); break;
+    case 4: gemm_tile<4, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
+                             out + r * out_stride, out_stride); break;
+    case 3: gemm_tile<3, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
+                             out + r * out_stride, out_stride); break;
+    case 2: gemm_tile<2, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
+                             out + r * out_stride, out_stride); break;
+    case 1: gemm_tile<1, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
+                             out + r * out_stride, out_stride); break;
+    default: break;
+  }
+}
+
+at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
+                              const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+                  packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.size(2) == kPackCols &&
+                  packed.size(1) == (x.size(1) + 1) / 2,
+              "linear_bf16_packed: bf16 x (M, K), weight packed by pack_bf16_weight");
+  const int64_t rows = x.size(0), k_len = x.size(1);
+  const int64_t blocks = packed.size(0), n_out = blocks * kPackCols;
+  const int64_t block_stride = packed.size(1) * kPackCols * 2;  // bf16 elements per block
+  at::Tensor out = at::empty({rows, n_out}, x.options());
+  if (rows == 0) return out;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const at::BFloat16* bp = bias && bias->defined() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t xs = x.stride(0);
+  // pairs of column blocks (32 features) per task; a trailing odd block alone
+  const int64_t tasks = (blocks + 1) / 2;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    constexpr int64_t kRowChunk = 64;  // rows per float32 scratch pass
+    std::vector<float> scratch(kRowChunk * 32);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b0 = 2 * t;
+      const int nb = b0 + 1 < blocks ? 2 : 1;
+      const uint16_t* w = wp + b0 * block_stride;
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
+        const int64_t rr = std::min(kRowChunk, rows - r0);
+        if (nb == 2)
+          gemm_rows<2>(xp + r0 * xs, xs, rr, k_len, w, block_stride, scratch.data(), 32);
+        else
+          gemm_rows<1>(xp + r0 * xs, xs, rr, k_len, w, block_stride, scratch.data(), 32);
+        for (int64_t r = 0; r < rr; ++r)
+          for (int64_t c = 0; c < nb * 16; ++c) {
+            const int64_t n = b0 * 16 + c;
+            const float bv = bp ? static_cast<float>(bp[n]) : 0.0f;
+            op[(r0 + r) * n_out + n] = static_cast<at::BFloat16>(scratch[r * 32 + c] + bv);
+          }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+#define TOKENMILL_HAS_BF16_GEMM 1
+#endif
