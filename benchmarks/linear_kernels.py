@@ -1,7 +1,7 @@
 """The CPU matmul questions behind ``Linear.pack_for_cpu`` and ``SMALL_M_ROWS``: time the
 projections of one decode step of a model shape with ``F.linear`` and with oneDNN on prepacked
-weights (fp32), and in bf16 with ``F.linear`` and with the CPU kernels' ``linear_bf16_rows``
-(where the CPU has AVX512-BF16).
+weights (fp32), and in bf16 with ``F.linear``, the CPU kernels' ``linear_bf16_rows`` and their
+``linear_bf16_packed`` on weights packed for vdpbf16ps (where the CPU has AVX512-BF16).
 
     python3 benchmarks/linear_kernels.py                    # SmolLM2-135M shapes, 1/8/32 rows
 
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--rows", default="1,8,32")
-    ap.add_argument("--bf16-rows", default="1,2,4,8,16")
+    ap.add_argument("--bf16-rows", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     h, hd = args.hidden, args.hidden // args.heads
@@ -78,10 +78,18 @@ def main() -> None:
         for w in bf16:
             ops.linear_bf16_rows(xs[w.shape[1]], w, None)
 
-    print("rows  bf16 F.linear (ms)  bf16 linear_bf16_rows (ms)")
+    vnni = [ops.pack_bf16_weight(w) for w in bf16] if ops.has_bf16_gemm else []
+
+    def run_packed(xs):
+        for w, p in zip(bf16, vnni):
+            ops.linear_bf16_packed(xs[w.shape[1]], p, None)
+
+    print("rows  bf16 F.linear (ms)  linear_bf16_rows (ms)  linear_bf16_packed (ms)")
     for rows in (int(r) for r in args.bf16_rows.split(",")):
-        print(f"{rows:4}  {step_ms(run_bf16, bf16, rows, args.reps):18.1f}  "
-              f"{step_ms(run_rows, bf16, rows, args.reps):26.1f}")
+        few = step_ms(run_rows, bf16, rows, args.reps) if rows <= 16 else float("nan")
+        packed_ms = step_ms(run_packed, bf16, rows, args.reps) if vnni else float("nan")
+        print(f"{rows:4}  {step_ms(run_bf16, bf16, rows, args.reps):18.1f}  {few:21.1f}  "
+              f"{packed_ms:23.1f}")
 
 
 if __name__ == "__main__":

@@ -41,63 +41,50 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight) {
   return packed;
 }
 
-// ROWS rows of x times NB column blocks (NB * 16 features) starting at `w`.
+// One input pair p of ROWS rows times NB column blocks, into the accumulators. `last_odd`: the
+// pair is the odd K's last input alone (its packed partner is zero; x has no element after it).
 template <int ROWS, int NB>
-inline void gemm_tile(const uint16_t* x, int64_t x_stride, int64_t k_len, const uint16_t* w,
-                      int64_t block_stride, float* out, int64_t out_stride) {
+inline void gemm_pair(const uint16_t* x, int64_t x_stride, int64_t p, bool last_odd,
+                      const uint16_t* w, int64_t block_stride, __m512 (&acc)[ROWS][NB]) {
+  __m512bh wv[NB];
+  for (int b = 0; b < NB; ++b)
+    wv[b] = (__m512bh)_mm512_loadu_si512(w + b * block_stride + p * kPackCols * 2);
+  for (int r = 0; r < ROWS; ++r) {
+    uint32_t pair = x[r * x_stride + 2 * p];
+    if (!last_odd) std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof(pair));
+    const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+  }
+}
+
+// ROWS rows of x times NB column blocks (NB * 16 features) starting at `w`, into float32 `out`.
+template <int ROWS, int NB>
+void gemm_tile(const uint16_t* x, int64_t x_stride, int64_t k_len, const uint16_t* w,
+               int64_t block_stride, float* out, int64_t out_stride) {
   __m512 acc[ROWS][NB];
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   const int64_t full_pairs = k_len / 2;
-  for (int64_t p = 0; p < full_pairs; ++p) {
-    __m512bh wv[NB];
-    for (int b = 0; b < NB; ++b)
-      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * block_stride + p * kPackCols * 2);
-    for (int r = 0; r < ROWS; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
-    }
-  }
-  if (k_len % 2) {  // the last input alone (its packed partner is zero)
-    const int64_t p = full_pairs;
-    __m512bh wv[NB];
-    for (int b = 0; b < NB; ++b)
-      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * block_stride + p * kPackCols * 2);
-    for (int r = 0; r < ROWS; ++r) {
-      const uint32_t pair = x[r * x_stride + 2 * p];
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
-    }
-  }
+  for (int64_t p = 0; p < full_pairs; ++p)
+    gemm_pair<ROWS, NB>(x, x_stride, p, false, w, block_stride, acc);
+  if (k_len % 2) gemm_pair<ROWS, NB>(x, x_stride, full_pairs, true, w, block_stride, acc);
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * out_stride + b * 16, acc[r][b]);
 }
 
+// Every row of x in tiles of 8 rows, then one tile of the 1-7 rows left.
 template <int NB>
 inline void gemm_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t k_len,
                       const uint16_t* w, int64_t block_stride, float* out, int64_t out_stride) {
-  int64_t r = 0;
-  for (; r + 8 <= rows; r += 8)
-    gemm_tile<8, NB>(x + r * x_stride, x_stride, k_len, w, block_stride, out + r * out_stride,
-                     out_stride);
-  switch (rows - r) {
-    case 7: gemm_tile<7, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
-                             out + r * out_stride, out_stride); break;
-    case 6: gemm_tile<6, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
-                             out + r * out_stride, out_stride); break;
-    case 5: gemm_tile<5, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
-                             out + r * out_stride, out_stride); break;
-    case 4: gemm_tile<4, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
-                             out + r * out_stride, out_stride); break;
-    case 3: gemm_tile<3, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
-                             out + r * out_stride, out_stride); break;
-    case 2: gemm_tile<2, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
-                             out + r * out_stride, out_stride); break;
-    case 1: gemm_tile<1, NB>(x + r * x_stride, x_stride, k_len, w, block_stride,
-                             out + r * out_stride, out_stride); break;
-    default: break;
+  using Tile = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*,
+                        int64_t);
+  static constexpr Tile kTiles[9] = {nullptr, gemm_tile<1, NB>, gemm_tile<2, NB>,
+                                     gemm_tile<3, NB>, gemm_tile<4, NB>, gemm_tile<5, NB>,
+                                     gemm_tile<6, NB>, gemm_tile<7, NB>, gemm_tile<8, NB>};
+  for (int64_t r = 0; r < rows; r += 8) {
+    const int64_t n = std::min<int64_t>(8, rows - r);
+    kTiles[n](x + r * x_stride, x_stride, k_len, w, block_stride, out + r * out_stride,
+              out_stride);
   }
 }
 
