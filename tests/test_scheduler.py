@@ -756,3 +756,70 @@ def does_not_fit(scheduler: Scheduler, request: Request) -> bool:
     kv_tokens = request.num_prompt_tokens + request.sampling_params.max_tokens - 1
     return scheduler.block_manager.blocks_for_tokens(kv_tokens) > \
         scheduler.block_manager.pool.num_usable_blocks
+
+
+# ----- a prefix being computed is computed once ------------------------------------------------
+
+def shared_prompt_requests(n: int, shared: int, own: int, tag: str = "") -> list[Request]:
+    """n requests whose prompts start with the same ``shared`` tokens, then ``own`` of their own."""
+    head = [7 + i % 40 for i in range(shared)]
+    return [Request(f"{tag}s{i}", head + [200 + 10 * i + j for j in range(own)],
+                    SamplingParams(max_tokens=3)) for i in range(n)]
+
+
+def test_requests_wait_for_a_shared_prefix_being_computed() -> None:
+    from tokenmill.sched.scheduler import SHARED_PREFIX_BLOCKS
+
+    scheduler = make_scheduler(num_blocks=128, block_size=4, budget=256, max_seqs=8)
+    shared = SHARED_PREFIX_BLOCKS * 4 + 8  # 40 tokens, 10 full blocks
+    group = shared_prompt_requests(3, shared, 5)
+    other = Request("other", [300 + j for j in range(shared + 5)], SamplingParams(max_tokens=3))
+    for r in (*group, other):
+        scheduler.add_request(r)
+    driver = Driver(scheduler)
+    first = driver.step()
+    # the budget holds everyone, but only one of the group computes the shared blocks; the
+    # request behind them with a prefix of its own is admitted past them
+    assert [c.request_id for c in first.scheduled] == ["s0", "other"]
+    second = driver.step()
+    late = {c.request_id: c for c in second.scheduled}
+    for rid in ("s1", "s2"):  # now from the cache: only their own tokens (and the last block)
+        assert late[rid].start_pos >= shared - 4 and late[rid].request.num_cached_tokens >= 36
+    assert scheduler.stats().prefix_cache_hits >= 2 * 36
+    driver.run()
+
+
+def test_short_or_cached_prefixes_and_no_cache_never_wait() -> None:
+    from tokenmill.sched.scheduler import SHARED_PREFIX_BLOCKS
+
+    short = SHARED_PREFIX_BLOCKS * 4  # not longer than the key: nothing is held
+    scheduler = make_scheduler(num_blocks=128, block_size=4, budget=256)
+    for r in shared_prompt_requests(3, short - 2, 2):
+        scheduler.add_request(r)
+    assert len(Driver(scheduler).step().scheduled) == 3
+    # without a prefix cache there is nothing to wait for
+    scheduler = make_scheduler(num_blocks=128, block_size=4, budget=256, prefix_cache=False)
+    for r in shared_prompt_requests(3, short + 8, 5):
+        scheduler.add_request(r)
+    assert len(Driver(scheduler).step().scheduled) == 3
+    # once the prefix is cached, newcomers take it at once, together
+    scheduler = make_scheduler(num_blocks=128, block_size=4, budget=256)
+    driver = Driver(scheduler)
+    driver.run({0: shared_prompt_requests(1, short + 8, 5, "a")})
+    for r in shared_prompt_requests(3, short + 8, 5, "b"):
+        scheduler.add_request(r)
+    assert len(driver.step().scheduled) == 3
+
+
+def test_a_long_shared_prefix_chunked_over_steps_is_computed_once() -> None:
+    """The prefix outlasts one step's budget: the others wait while the first computes it
+    chunk by chunk, then all finish; the prefix's tokens are computed once."""
+    scheduler = make_scheduler(num_blocks=256, block_size=4, budget=48, max_seqs=8)
+    group = shared_prompt_requests(4, 120, 6)
+    driver = Driver(scheduler)
+    done = driver.run({0: group})
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in done)
+    computed = sum(o.num_batched_tokens for o in driver.outputs)
+    # 126 prompt tokens for the first; the others compute their own 6 (plus the last block's
+    # re-read) and 3 outputs each
+    assert computed <= 126 + 3 * (6 + 4) + 4 * 3, computed

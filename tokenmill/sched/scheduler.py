@@ -41,6 +41,13 @@ blocks enter the cache as soon as it has run (so requests arriving meanwhile sha
 finished and preempted sequences give the rest of their full blocks to the cache (aborted ones do not: their last step may not
 have run). Under ``lpm`` the waiting queue is admitted longest cached prefix first.
 
+A prefix being computed is computed once: a waiting request whose first ``SHARED_PREFIX_BLOCKS``
+blocks of prompt equal those of a request still prefilling (admitted earlier or in this step)
+waits, while requests behind it are admitted, until that request has computed the full blocks
+the two prompts share (or the cache holds them); blocks are shared at the end of the step that
+computes them, and it then takes them from the cache (SGLang dedupes a batch's shared prefixes
+the same way). Shorter prompts are never held; without a prefix cache nothing is.
+
 Preemption is by recomputation: the victim's blocks are freed (into the prefix cache, so the
 recompute usually hits), it keeps its generated tokens and goes back to the waiting queue, and
 is later prefilled again over prompt + generated tokens.
@@ -61,9 +68,16 @@ from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.request import FinishReason, Request, RequestStatus, check_prompt, sequence_id
 from tokenmill.sched.output import (ScheduledChunk, SchedulerOutput, SchedulerStats, SeqUpdate,
                                     num_matching_drafts)
+from tokenmill.cache.radix import NullPrefixCache
 from tokenmill.sched.policy import (LPM_MAX_WAITING, get_policy, is_prefix_aware,
                                     longest_prefix_first)
+
 from tokenmill.sched.queue import RequestQueue
+
+# Blocks of prompt two requests must share for the later one to wait for the earlier one's
+# prefill rather than compute them too (128 tokens at block size 16: a system prompt's worth;
+# a shared chat-template header alone is not worth a step's wait).
+SHARED_PREFIX_BLOCKS = 8
 
 Sampled = Mapping[str, int | Sequence[int]]
 
@@ -304,18 +318,59 @@ class Scheduler:
         return max(0, min(len(request.spec_token_ids), tokens_left - num_new, room))
 
     def _admit_waiting(self, batch: _StepBatch) -> None:
+        computing = self._prefixes_in_prefill(batch)
         for request in self._admission_order():
             if batch.tokens_left == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            key = computing is not None and self._prefix_key(request)
+            if key and self._waits_for_prefill(request, computing.get(key, ()), batch):
+                continue  # its prefix is being computed: take it from the cache later
             if not self._admit(request, batch):
                 return  # head-of-line: a less important request must not overtake it
+            if key and _computed_before(request, batch) < request.num_prompt_tokens:
+                computing.setdefault(key, []).append(request)
+
+    def _waits_for_prefill(self, request: Request, leaders: Iterable[Request],
+                           batch: _StepBatch) -> bool:
+        """Whether a prefilling request has yet to compute (before this step) full blocks this
+        one's prompt shares with it, which the cache does not hold yet."""
+        prompt, bs = request.prompt_token_ids, self.block_size
+        for leader in leaders:
+            other = leader.prompt_token_ids
+            common = next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b),
+                          min(len(prompt), len(other)))
+            shared = common // bs * bs
+            if (_computed_before(leader, batch) < shared
+                    and self.block_manager.cached_prefix_len(request) < shared):
+                return True
+        return False
+
+    def _prefix_key(self, request: Request) -> tuple | None:
+        """The request's first SHARED_PREFIX_BLOCKS blocks of prompt (and its cache salt), or
+        None when its prompt is shorter."""
+        n = SHARED_PREFIX_BLOCKS * self.block_size
+        if request.num_prompt_tokens <= n:
+            return None
+        return (request.cache_salt, *request.prompt_token_ids[:n])
+
+    def _prefixes_in_prefill(self, batch: _StepBatch) -> dict[tuple, list[Request]] | None:
+        """The running requests whose prompt, longer than the key, was not all computed before
+        this step, by prefix key; None when nothing is ever held (no prefix cache)."""
+        if isinstance(self.block_manager.prefix_cache, NullPrefixCache):
+            return None
+        n = SHARED_PREFIX_BLOCKS * self.block_size
+        computing: dict[tuple, list[Request]] = {}
+        for r in self.running:
+            if r.num_prompt_tokens > n and _computed_before(r, batch) < r.num_prompt_tokens:
+                computing.setdefault(self._prefix_key(r), []).append(r)
+        return computing
 
     def _admission_order(self) -> Iterator[Request]:
         if self._prefix_aware and len(self.waiting) <= LPM_MAX_WAITING:
             yield from longest_prefix_first(self.waiting, self.block_manager.cached_prefix_len)
             return
-        while self.waiting:  # each admitted request leaves the queue; a refusal stops the loop
-            yield self.waiting.first()
+        # in queue order (admitted requests leave the queue, a held one stays in its place)
+        yield from list(self.waiting)
 
     def _admit(self, request: Request, batch: _StepBatch) -> bool:
         manager = self.block_manager
@@ -546,6 +601,13 @@ def _check_config(config: SchedulerConfig) -> None:
         raise ValueError(f"max_num_seqs must be >= 1, got {config.max_num_seqs}")
     if config.max_model_len is not None and config.max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {config.max_model_len}")
+
+
+def _computed_before(request: Request, batch: _StepBatch) -> int:
+    """Tokens of the request computed before this step (its KV written and, for full blocks,
+    shared with the cache)."""
+    planned = batch.chunks.get(request.request_id)
+    return planned[1] if planned is not None else request.num_computed_tokens
 
 
 def _make_block_manager(cache_config: CacheConfig, num_blocks: int | None) -> KVBlockManager:
