@@ -58,7 +58,7 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
                          f"{', '.join(QUANTIZATIONS)}")
     on_gpu = torch.device(device).type == "cuda"
     if quantization == "fp8":
-        check_fp8(device)
+        check_fp8(device, dtype)
     elif quantization != "none" and torch.device(device).type != "cpu":
         log.warning("--quantization %s runs on CPUs only for now: on %s the weights are "
                     "dequantized at load", quantization, device)
@@ -92,13 +92,17 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     return LoadedModel(module, cfg, source, described)
 
 
-def check_fp8(device: str) -> None:
-    """fp8 matmuls need a GPU of compute capability 8.9 or above (Ada, Hopper) on CUDA."""
+def check_fp8(device: str, dtype: str) -> None:
+    """fp8 matmuls on CUDA need a GPU of compute capability 8.9 or above (Ada, Hopper), and
+    their per-row scales a bfloat16 result."""
     if torch.device(device).type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             raise ValueError(f"--quantization fp8 needs a GPU of compute capability 8.9 or "
                              f"above (Ada, Hopper); this one is {major}.{minor}")
+        if dtype != "bfloat16":
+            raise ValueError(f"--quantization fp8 on a GPU computes in bfloat16, not {dtype}; "
+                             "use --dtype bfloat16 (or auto)")
 
 
 def quantize_model(module: nn.Module, quantization: str) -> str:
