@@ -356,6 +356,44 @@ inline void w8a8_tile(const uint8_t* xu, int64_t kp, const int8_t* w, const at::
     for (int64_t c = 0; c < C; ++c) out[m * C + c] = _mm512_reduce_add_ps(acc[m][c]);
 }
 
+// The tiling both int8-activation linears share: output features in blocks of kActCols split
+// across threads, rows of x in tiles of up to 4. `tile(M, C, m0, n, dots)` (M, C as
+// std::integral_constant) computes the products of rows m0.. (M of them) with features n..
+// (C of them: kActCols, or 1 for the last few features one at a time) into
+// dots[m * kActCols + c]; `store(m, n, dot)` writes each one's result.
+constexpr int64_t kActCols = 4;
+
+template <int64_t V>
+using Const = std::integral_constant<int64_t, V>;
+
+template <typename Tile, typename Store>
+void int8_activation_tiles(int64_t rows, int64_t n_out, const Tile& tile, const Store& store) {
+  constexpr int64_t C = kActCols;
+  at::parallel_for(0, (n_out + C - 1) / C, 4, [&](int64_t begin, int64_t end) {
+    float dots[4 * C];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n0 = nb * C, cols = std::min(C, n_out - n0);
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mm = std::min<int64_t>(4, rows - m0);
+        if (cols == C) {
+          switch (mm) {
+            case 4: tile(Const<4>{}, Const<C>{}, m0, n0, dots); break;
+            case 3: tile(Const<3>{}, Const<C>{}, m0, n0, dots); break;
+            case 2: tile(Const<2>{}, Const<C>{}, m0, n0, dots); break;
+            default: tile(Const<1>{}, Const<C>{}, m0, n0, dots); break;
+          }
+        } else {  // the last few features, one at a time
+          for (int64_t c = 0; c < cols; ++c)
+            for (int64_t m = 0; m < mm; ++m)
+              tile(Const<1>{}, Const<1>{}, m0 + m, n0 + c, dots + m * C + c);
+        }
+        for (int64_t m = 0; m < mm; ++m)
+          for (int64_t c = 0; c < cols; ++c) store(m0 + m, n0 + c, dots[m * C + c]);
+      }
+    }
+  });
+}
+
 at::Tensor quant_linear_w8a8(const at::Tensor& x, const at::Tensor& qweight,
                              const at::Tensor& scales, const at::Tensor& offsets,
                              const c10::optional<at::Tensor>& bias) {
@@ -383,41 +421,19 @@ at::Tensor quant_linear_w8a8(const at::Tensor& x, const at::Tensor& qweight,
           std::nearbyint(std::min(127.0f, std::max(-127.0f, xp[m * k_len + k] * inv))) + 128);
   }
   std::vector<float> res(rows * n_out);
-  float* op = res.data();
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
   const float* off = offsets.data_ptr<float>();
   const int64_t groups = k_len / 32;
-  constexpr int64_t C = 4;
-  at::parallel_for(0, (n_out + C - 1) / C, 4, [&](int64_t begin, int64_t end) {
-    float dots[4 * C];
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const int64_t n0 = nb * C, cols = std::min(C, n_out - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mm = std::min<int64_t>(4, rows - m0);
-        const uint8_t* xr = xu.data() + m0 * kp;
-        const int8_t* w = wp + n0 * k_len;
-        const at::Half* s = sp + n0 * groups;
-        if (cols == C) {
-          switch (mm) {
-            case 4: w8a8_tile<4, C>(xr, kp, w, s, k_len, dots); break;
-            case 3: w8a8_tile<3, C>(xr, kp, w, s, k_len, dots); break;
-            case 2: w8a8_tile<2, C>(xr, kp, w, s, k_len, dots); break;
-            default: w8a8_tile<1, C>(xr, kp, w, s, k_len, dots); break;
-          }
-        } else {  // the last few features, one at a time
-          for (int64_t c = 0; c < cols; ++c)
-            for (int64_t m = 0; m < mm; ++m)
-              w8a8_tile<1, 1>(xr + m * kp, kp, w + c * k_len, s + c * groups, k_len,
-                              dots + m * C + c);
-        }
-        for (int64_t m = 0; m < mm; ++m)
-          for (int64_t c = 0; c < cols; ++c)
-            op[(m0 + m) * n_out + n0 + c] =
-                sx[m0 + m] * (dots[m * C + c] - 128.0f * off[n0 + c]);
-      }
-    }
-  });
+  int8_activation_tiles(
+      rows, n_out,
+      [&](auto M, auto C, int64_t m0, int64_t n, float* dots) {
+        w8a8_tile<decltype(M)::value, decltype(C)::value>(
+            xu.data() + m0 * kp, kp, wp + n * k_len, sp + n * groups, k_len, dots);
+      },
+      [&](int64_t m, int64_t n, float dot) {
+        res[m * n_out + n] = sx[m] * (dot - 128.0f * off[n]);
+      });
   return results_as(res, rows, n_out, x, bias);
 }
 // Rows of x quantized to int8 with a scale per row (absmax / 127): sx, and the values laid out
@@ -519,35 +535,13 @@ at::Tensor quant_linear_w4a8(const at::Tensor& x, const at::Tensor& qweight,
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* zp = zeros.data_ptr<at::Half>();
   const int64_t groups = k_len / 32;
-  constexpr int64_t C = 4;
-  at::parallel_for(0, (n_out + C - 1) / C, 4, [&](int64_t begin, int64_t end) {
-    float dots[4 * C];
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const int64_t n0 = nb * C, cols = std::min(C, n_out - n0);
-      const uint8_t* w = wp + n0 * (k_len / 2);
-      const at::Half* s = sp + n0 * groups;
-      const at::Half* z = zp + n0 * groups;
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mm = std::min<int64_t>(4, rows - m0);
-        if (cols == C) {
-          switch (mm) {
-            case 4: w4a8_tile<4, C>(xr, m0, w, s, z, k_len, dots); break;
-            case 3: w4a8_tile<3, C>(xr, m0, w, s, z, k_len, dots); break;
-            case 2: w4a8_tile<2, C>(xr, m0, w, s, z, k_len, dots); break;
-            default: w4a8_tile<1, C>(xr, m0, w, s, z, k_len, dots); break;
-          }
-        } else {  // the last few features, one at a time
-          for (int64_t c = 0; c < cols; ++c)
-            for (int64_t m = 0; m < mm; ++m)
-              w4a8_tile<1, 1>(xr, m0 + m, w + c * (k_len / 2), s + c * groups, z + c * groups,
-                              k_len, dots + m * C + c);
-        }
-        for (int64_t m = 0; m < mm; ++m)
-          for (int64_t c = 0; c < cols; ++c)
-            res[(m0 + m) * n_out + n0 + c] = xr.scale[m0 + m] * dots[m * C + c];
-      }
-    }
-  });
+  int8_activation_tiles(
+      rows, n_out,
+      [&](auto M, auto C, int64_t m0, int64_t n, float* dots) {
+        w4a8_tile<decltype(M)::value, decltype(C)::value>(
+            xr, m0, wp + n * (k_len / 2), sp + n * groups, zp + n * groups, k_len, dots);
+      },
+      [&](int64_t m, int64_t n, float dot) { res[m * n_out + n] = xr.scale[m] * dot; });
   return results_as(res, rows, n_out, x, bias);
 }
 #else
