@@ -112,6 +112,7 @@ class DecodeGraphs:
         self.buffers = StepBuffers(self.buckets[-1], max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.report: CaptureReport | None = None  # set by capture()
 
     def _forward(self, rows: int) -> torch.Tensor:
         b = self.buffers
@@ -133,8 +134,8 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[rows] = graph
         torch.cuda.synchronize()
-        report = CaptureReport(list(self.buckets), time.perf_counter() - start,
-                               free_before - torch.cuda.mem_get_info()[0])
+        report = self.report = CaptureReport(list(self.buckets), time.perf_counter() - start,
+                                             free_before - torch.cuda.mem_get_info()[0])
         log.info("captured CUDA graphs for decode batches of %s sequences in %.1f s (%.0f MiB)",
                  ",".join(map(str, report.buckets)), report.seconds,
                  report.memory_bytes / 2**20)

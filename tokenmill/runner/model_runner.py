@@ -51,13 +51,13 @@ class ModelRunner:
         model's attention backend must be graph-safe: ``triton``)."""
         graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs,
                               max_model_len, self.device)
-        self.graph_capture = graphs.capture()
+        graphs.capture()
         self.graphs = graphs
 
     def graphs_description(self) -> str:
-        if self.graphs is None:
+        r = self.graphs.report if self.graphs is not None else None
+        if r is None:
             return "off"
-        r = self.graph_capture
         return (f"batches {','.join(map(str, r.buckets))} ({r.seconds:.1f} s, "
                 f"{r.memory_bytes / 2**20:.0f} MiB)")
 
