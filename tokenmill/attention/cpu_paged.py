@@ -23,7 +23,7 @@ from tokenmill.attention.torch_ref import TorchReferenceBackend
 
 # Query tokens of one request computed together; a larger tile shares each K/V load more
 # widely (the shared-prefix pass) at the cost of fewer parallel work items.
-TILE = 8
+TILE = 16
 CASCADE_TILE = 16
 # Cascade only where it saves reads: at least this many sequences sharing this many blocks.
 MIN_CASCADE_SEQS = 2

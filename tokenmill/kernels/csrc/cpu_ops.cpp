@@ -221,6 +221,68 @@ inline at::Half quantize_row(const T* x, int8_t* q, int64_t n, int64_t q_stride)
   return scale;
 }
 
+// The online softmax's steps over one block's scores: the largest of the first vis, and
+// sc[s] = exp(sc[s] - m) for s < vis, 0 after (returning their sum).
+#if defined(__AVX512F__)
+inline float block_max(const float* sc, int64_t vis) {
+  __m512 mx = _mm512_set1_ps(kNegInf);
+  int64_t s = 0;
+  for (; s + 16 <= vis; s += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + s));
+  if (s < vis)
+    mx = _mm512_mask_max_ps(mx, static_cast<__mmask16>((1u << (vis - s)) - 1), mx,
+                            _mm512_loadu_ps(sc + s));
+  return _mm512_reduce_max_ps(mx);
+}
+
+// exp_clamped on 16 lanes, the same operations (so the same results) as the scalar one
+inline __m512 exp_clamped16(__m512 x) {
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 big = _mm512_set1_ps(12582912.0f);
+  const __m512 r = _mm512_sub_ps(_mm512_add_ps(t, big), big);
+  const __m512 f = _mm512_sub_ps(t, r);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  for (const float c : {1.5403530393381608e-04f, 1.3333558146428443e-03f, 9.618129107628477e-03f,
+                        5.550410866482158e-02f, 2.402265069591007e-01f, 6.931471805599453e-01f,
+                        1.0f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(c));
+  const __m512i n = _mm512_slli_epi32(_mm512_cvtps_epi32(r), 23);
+  const __m512 y = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), n));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), y);
+}
+
+inline float block_exp(float* sc, int64_t vis, int64_t block_size, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t s = 0; s < block_size; s += 16) {
+    const int64_t live = std::min<int64_t>(std::max<int64_t>(vis - s, 0), 16);
+    const __mmask16 keep = static_cast<__mmask16>((1u << live) - 1);
+    const __m512 p =
+        _mm512_maskz_mov_ps(keep, exp_clamped16(_mm512_sub_ps(_mm512_loadu_ps(sc + s), mv)));
+    _mm512_storeu_ps(sc + s, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#else
+inline float block_max(const float* sc, int64_t vis) {
+  float mx = kNegInf;
+  for (int64_t s = 0; s < vis; ++s) mx = std::max(mx, sc[s]);
+  return mx;
+}
+
+inline float block_exp(float* sc, int64_t vis, int64_t block_size, float m) {
+  float sum = 0.0f;
+  for (int64_t s = 0; s < block_size; ++s) {
+    const float p = s < vis ? exp_clamped(sc[s] - m) : 0.0f;
+    sc[s] = p;
+    sum += p;
+  }
+  return sum;
+}
+#endif
+
 // scores of R rows (scaled queries, float32, row stride N * W) for the W keys at kt[.. + kc]
 // (an int8 cache's: times the keys' scales ks[kc ..])
 template <int64_t N, int64_t R, typename T>
@@ -246,20 +308,21 @@ inline void rows_scores(const float* q, const T* kt, const float* ks, int64_t bl
   }
 }
 
+// the scores of nrows query rows for one block's keys, row r's at sc[r * sc_stride ..]
 template <int64_t N, typename T>
-void block_scores(const float* qbuf, const T* kt, const float* ks, float* sc, int64_t nrows,
-                  int64_t nvalid, int64_t block_size) {
+void block_scores(const float* qbuf, const T* kt, const float* ks, float* sc, int64_t sc_stride,
+                  int64_t nrows, int64_t nvalid, int64_t block_size) {
   for (int64_t kc = 0; kc < nvalid; kc += Vec::W) {
     int64_t row = 0;
     for (; row + 4 <= nrows; row += 4)
-      rows_scores<N, 4>(qbuf + row * N * Vec::W, kt, ks, block_size, kc,
-                        sc + row * block_size, block_size);
+      rows_scores<N, 4>(qbuf + row * N * Vec::W, kt, ks, block_size, kc, sc + row * sc_stride,
+                        sc_stride);
     const float* q = qbuf + row * N * Vec::W;
-    float* s = sc + row * block_size;
+    float* s = sc + row * sc_stride;
     switch (nrows - row) {
-      case 3: rows_scores<N, 3>(q, kt, ks, block_size, kc, s, block_size); break;
-      case 2: rows_scores<N, 2>(q, kt, ks, block_size, kc, s, block_size); break;
-      case 1: rows_scores<N, 1>(q, kt, ks, block_size, kc, s, block_size); break;
+      case 3: rows_scores<N, 3>(q, kt, ks, block_size, kc, s, sc_stride); break;
+      case 2: rows_scores<N, 2>(q, kt, ks, block_size, kc, s, sc_stride); break;
+      case 1: rows_scores<N, 1>(q, kt, ks, block_size, kc, s, sc_stride); break;
       default: break;
     }
   }
@@ -267,12 +330,12 @@ void block_scores(const float* qbuf, const T* kt, const float* ks, float* sc, in
 
 // acc[row] += sum_s p[row][s] * V[s], each row's accumulator held in registers over the keys
 template <int64_t N, typename T>
-void block_values(const float* sc, const T* vblock, int64_t v_stride, float* acc, int64_t nrows,
-                  int64_t nvalid, int64_t block_size) {
+void block_values(const float* sc, int64_t sc_stride, const T* vblock, int64_t v_stride,
+                  float* acc, int64_t nrows, int64_t nvalid) {
   constexpr int64_t D = N * Vec::W;
   for (int64_t row = 0; row < nrows; ++row) {
     float* arow = acc + row * D;
-    const float* p = sc + row * block_size;
+    const float* p = sc + row * sc_stride;
     Vec a[N];
     for (int64_t i = 0; i < N; ++i) a[i] = Vec::load(arow + i * Vec::W);
     for (int64_t s = 0; s < nvalid; ++s) {
@@ -284,6 +347,142 @@ void block_values(const float* sc, const T* vblock, int64_t v_stride, float* acc
     for (int64_t i = 0; i < N; ++i) a[i].store(arow + i * Vec::W);
   }
 }
+
+#if defined(__AVX512BF16__)
+// bfloat16 queries and cache on a CPU with AVX512-BF16: the two products of attention run on
+// vdpbf16ps (pairs of bf16 multiplied, summed into float32 lanes) instead of widening every
+// K/V element to float32. Scores: K's transposed rows d and d+1 of a block are interleaved
+// into (k_d, k_d+1) pairs of 16 keys, and each query row's (q_d, q_d+1) pair is broadcast.
+// Values: the probabilities are rounded to bf16 (as flash attention does on GPUs) and V's
+// rows s and s+1 interleaved into pairs, so the accumulators hold a row's values in the
+// order unpacklo/unpackhi leave them (see unscramble_bf16); the softmax stays in float32.
+constexpr bool kBf16Dot = true;
+
+inline __m512i load_key_pairs(const uint16_t* k0, const uint16_t* k1) {
+  alignas(64) static const uint16_t kIdx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
+                                                6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
+                                                12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0)));
+  const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1)));
+  return _mm512_permutex2var_epi16(a, _mm512_load_si512(kIdx), b);
+}
+
+inline __m512bh broadcast_pair(const uint16_t* p) {  // the bf16 pair p[0], p[1] in every lane
+  uint32_t x;
+  std::memcpy(&x, p, sizeof(x));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x)));
+}
+
+// scores of R query rows (bf16, row stride N * 16) for the 16 keys at kt[.. + kc], times scale
+template <int64_t N, int64_t R>
+inline void rows_scores_bf16(const uint16_t* q, const uint16_t* kt, int64_t block_size,
+                             int64_t kc, float scale, float* sc, int64_t sc_stride) {
+  constexpr int64_t D = N * 16;
+  __m512 a[R], b[R];
+  for (int64_t r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 4) {  // two chains per row, as rows_scores
+    const __m512bh k0 = reinterpret_cast<__m512bh>(
+        load_key_pairs(kt + d * block_size + kc, kt + (d + 1) * block_size + kc));
+    const __m512bh k1 = reinterpret_cast<__m512bh>(
+        load_key_pairs(kt + (d + 2) * block_size + kc, kt + (d + 3) * block_size + kc));
+    for (int64_t r = 0; r < R; ++r) {
+      a[r] = _mm512_dpbf16_ps(a[r], k0, broadcast_pair(q + r * D + d));
+      b[r] = _mm512_dpbf16_ps(b[r], k1, broadcast_pair(q + r * D + d + 2));
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < R; ++r)
+    _mm512_storeu_ps(sc + r * sc_stride + kc, _mm512_mul_ps(_mm512_add_ps(a[r], b[r]), s));
+}
+
+template <int64_t N>
+void block_scores_bf16(const uint16_t* qbuf, const uint16_t* kt, float scale, float* sc,
+                       int64_t sc_stride, int64_t nrows, int64_t nvalid, int64_t block_size) {
+  constexpr int64_t D = N * 16;
+  for (int64_t kc = 0; kc < nvalid; kc += 16) {
+    int64_t row = 0;
+    for (; row + 4 <= nrows; row += 4)
+      rows_scores_bf16<N, 4>(qbuf + row * D, kt, block_size, kc, scale, sc + row * sc_stride,
+                             sc_stride);
+    const uint16_t* q = qbuf + row * D;
+    float* s = sc + row * sc_stride;
+    switch (nrows - row) {
+      case 3: rows_scores_bf16<N, 3>(q, kt, block_size, kc, scale, s, sc_stride); break;
+      case 2: rows_scores_bf16<N, 2>(q, kt, block_size, kc, scale, s, sc_stride); break;
+      case 1: rows_scores_bf16<N, 1>(q, kt, block_size, kc, scale, s, sc_stride); break;
+      default: break;
+    }
+  }
+}
+
+// acc[row] += sum_s p[row][s] * V[s] for R rows, keys two at a time; p in bf16 (zero beyond
+// what a row sees), a key past nvalid multiplied as zeros (its slot may hold anything)
+template <int64_t N, int64_t R>
+inline void rows_values_bf16(const uint16_t* pb, int64_t pb_stride, const uint16_t* vblock,
+                             int64_t v_stride, float* acc, int64_t nvalid) {
+  constexpr int64_t C = N / 2, D = N * 16;  // C chunks of 32 values per row
+  __m512 a[R][2 * C];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < 2 * C; ++j) a[r][j] = _mm512_loadu_ps(acc + r * D + 16 * j);
+  for (int64_t s = 0; s < nvalid; s += 2) {
+    const uint16_t* v0 = vblock + s * v_stride;
+    const bool both = s + 1 < nvalid;
+    __m512bh lo[C], hi[C];
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
+      const __m512i y = both ? _mm512_loadu_si512(v0 + v_stride + 32 * c) : _mm512_setzero_si512();
+      lo[c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x, y));
+      hi[c] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x, y));
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh p = broadcast_pair(pb + r * pb_stride + s);
+      for (int64_t c = 0; c < C; ++c) {
+        a[r][2 * c] = _mm512_dpbf16_ps(a[r][2 * c], lo[c], p);
+        a[r][2 * c + 1] = _mm512_dpbf16_ps(a[r][2 * c + 1], hi[c], p);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < 2 * C; ++j) _mm512_storeu_ps(acc + r * D + 16 * j, a[r][j]);
+}
+
+template <int64_t N>
+void block_values_bf16(const uint16_t* pb, int64_t pb_stride, const uint16_t* vblock,
+                       int64_t v_stride, float* acc, int64_t nrows, int64_t nvalid) {
+  constexpr int64_t C = N / 2, D = N * 16;
+  constexpr int64_t R = C <= 1 ? 8 : C == 2 ? 4 : C <= 4 ? 2 : 1;  // <= 16 accumulators
+  int64_t row = 0;
+  for (; row + R <= nrows; row += R)
+    rows_values_bf16<N, R>(pb + row * pb_stride, pb_stride, vblock, v_stride, acc + row * D,
+                           nvalid);
+  for (; row < nrows; ++row)
+    rows_values_bf16<N, 1>(pb + row * pb_stride, pb_stride, vblock, v_stride, acc + row * D,
+                           nvalid);
+}
+
+// n float32 probabilities -> bf16 (round to nearest even), n a multiple of 16
+inline void probs_to_bf16(const float* p, uint16_t* pb, int64_t n) {
+  for (int64_t s = 0; s < n; s += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + s),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(p + s))));
+}
+
+// a row's accumulators back in value order: in each chunk of 32, the first 16 floats hold
+// values 8L + j and the next 16 values 8L + 4 + j, for lane L = i / 4, j = i % 4
+inline void unscramble_bf16(float* acc, float* tmp, int64_t head_dim) {
+  std::memcpy(tmp, acc, head_dim * sizeof(float));
+  for (int64_t c = 0; c < head_dim; c += 32)
+    for (int64_t i = 0; i < 16; ++i) {
+      acc[c + 8 * (i / 4) + i % 4] = tmp[c + i];
+      acc[c + 8 * (i / 4) + 4 + i % 4] = tmp[c + 16 + i];
+    }
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// blocks whose scores take one online-softmax step together (fewer rescales and reductions)
+constexpr int64_t kChunk = 8;
 
 struct WorkItem {
   int64_t req, kv_head, t0, t1;
@@ -328,6 +527,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
   const int64_t v_stride = num_kv_heads * row_len;  // one token's V in the cache
   constexpr int64_t kLine = 64 / sizeof(C);  // elements per cache line
+  // bf16 queries and cache with AVX512-BF16, head_dim a multiple of 32: vdpbf16ps products
+  constexpr bool kDot = kBf16Dot && std::is_same<T, at::BFloat16>::value &&
+                        std::is_same<C, at::BFloat16>::value && N % 2 == 0;
 
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_reqs; ++r)
@@ -336,19 +538,31 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         items.push_back({r, h, t0, std::min(t0 + tile, qs[r + 1])});
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf, acc, m, l, sc, tmp(head_dim), ks(block_size), vs(block_size);
+    const int64_t span = kChunk * block_size;  // keys of one softmax step
+    std::vector<float> qbuf, acc, m, l, sc, tmp(head_dim), ks(span), vs(span);
+    std::vector<uint16_t> qb, pb;  // kDot: the queries and probabilities in bf16
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& w = items[it];
       const int64_t nrows = (w.t1 - w.t0) * group;
-      qbuf.assign(nrows * head_dim, 0.0f);
+      if constexpr (!kDot) qbuf.assign(nrows * head_dim, 0.0f);
       acc.assign(nrows * head_dim, 0.0f);
       m.assign(nrows, kNegInf);
       l.assign(nrows, 0.0f);
-      sc.assign(nrows * block_size, 0.0f);
+      sc.assign(nrows * span, 0.0f);
+      if constexpr (kDot) {
+        qb.resize(nrows * head_dim);
+        pb.resize(nrows * span);
+      }
       int64_t kmax = 0;
       for (int64_t t = w.t0; t < w.t1; ++t) {
         const int64_t src = row_of ? row_of[t] : t;
         kmax = std::max(kmax, klimit[t]);
+        if constexpr (kDot) {  // as they are (the scale multiplies the scores)
+          std::memcpy(&qb[(t - w.t0) * group * head_dim],
+                      qp + src * q_stride + w.kv_head * group * head_dim,
+                      group * head_dim * sizeof(T));
+          continue;
+        }
         for (int64_t g = 0; g < group; ++g) {
           float* dst = &qbuf[((t - w.t0) * group + g) * head_dim];
           load_row(qp + src * q_stride + (w.kv_head * group + g) * head_dim, dst, head_dim);
@@ -356,42 +570,53 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         }
       }
       const int64_t* table = tables + w.req * table_width;
-      for (int64_t b = kstart[w.req]; b * block_size < kmax && b < table_width; ++b) {
-        const int64_t base = b * block_size;
-        const int64_t nvalid = std::min(block_size, kmax - base);
-        const C* kt = kp + k_offset(table[b], w.kv_head, num_kv_heads, row_len, block_size);
-        const C* vblock = vp + table[b] * block_size * v_stride + w.kv_head * row_len;
-        if ((b + 1) * block_size < kmax && b + 1 < table_width) {
-          // blocks lie anywhere in the cache: fetch the next one while this one is computed
-          const C* knext = kp + k_offset(table[b + 1], w.kv_head, num_kv_heads, row_len,
-                                         block_size);
-          for (int64_t e = 0; e < row_len * block_size; e += kLine) __builtin_prefetch(knext + e);
-          const C* vnext = vp + table[b + 1] * block_size * v_stride + w.kv_head * row_len;
-          for (int64_t s = 0; s < block_size; ++s)
-            for (int64_t d = 0; d < row_len; d += kLine)
-              __builtin_prefetch(vnext + s * v_stride + d);
+      // kChunk blocks at a time: their scores side by side in sc, one softmax step over all
+      const int64_t kend = std::min(table_width, (kmax + block_size - 1) / block_size);
+      for (int64_t b0 = kstart[w.req]; b0 < kend; b0 += kChunk) {
+        const int64_t nb = std::min(kChunk, kend - b0);
+        const int64_t base = b0 * block_size;
+        const int64_t nkeys = std::min(nb * block_size, kmax - base);
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t b = b0 + i;
+          const int64_t nvalid = std::min(block_size, kmax - b * block_size);
+          const C* kt = kp + k_offset(table[b], w.kv_head, num_kv_heads, row_len, block_size);
+          const C* vblock = vp + table[b] * block_size * v_stride + w.kv_head * row_len;
+          if (b + 1 < kend) {
+            // blocks lie anywhere in the cache: fetch the next one while this one is computed
+            const C* knext = kp + k_offset(table[b + 1], w.kv_head, num_kv_heads, row_len,
+                                           block_size);
+            for (int64_t e = 0; e < row_len * block_size; e += kLine)
+              __builtin_prefetch(knext + e);
+            const C* vnext = vp + table[b + 1] * block_size * v_stride + w.kv_head * row_len;
+            for (int64_t s = 0; s < block_size; ++s)
+              for (int64_t d = 0; d < row_len; d += kLine)
+                __builtin_prefetch(vnext + s * v_stride + d);
+          }
+          float* sblock = sc.data() + i * block_size;
+          if constexpr (kInt8)
+            block_scales(kt, vblock, head_dim, v_stride, block_size, nvalid,
+                         ks.data() + i * block_size, vs.data() + i * block_size);
+#if defined(__AVX512BF16__)
+          if constexpr (kDot)
+            block_scores_bf16<N>(qb.data(), reinterpret_cast<const uint16_t*>(kt),
+                                 static_cast<float>(scale), sblock, span, nrows, nvalid,
+                                 block_size);
+          else
+#endif
+            block_scores<N>(qbuf.data(), kt, ks.data() + i * block_size, sblock, span, nrows,
+                            nvalid, block_size);
         }
-        if constexpr (kInt8)
-          block_scales(kt, vblock, head_dim, v_stride, block_size, nvalid, ks.data(), vs.data());
-        block_scores<N>(qbuf.data(), kt, ks.data(), sc.data(), nrows, nvalid, block_size);
         // online softmax, row by row
         for (int64_t row = 0; row < nrows; ++row) {
-          const int64_t vis = std::min(nvalid, klimit[w.t0 + row / group] - base);
-          float* srow = &sc[row * block_size];
+          const int64_t vis = std::min(nkeys, klimit[w.t0 + row / group] - base);
+          float* srow = &sc[row * span];
           if (vis <= 0) {
-            for (int64_t s = 0; s < block_size; ++s) srow[s] = 0.0f;
+            for (int64_t s = 0; s < span; ++s) srow[s] = 0.0f;
             continue;
           }
-          float bmax = kNegInf;
-          for (int64_t s = 0; s < vis; ++s) bmax = std::max(bmax, srow[s]);
-          const float m_new = std::max(m[row], bmax);
+          const float m_new = std::max(m[row], block_max(srow, vis));
           const float alpha = exp_clamped(m[row] - m_new);
-          float psum = 0.0f;
-          for (int64_t s = 0; s < block_size; ++s) {
-            const float p = s < vis ? exp_clamped(srow[s] - m_new) : 0.0f;
-            srow[s] = p;
-            psum += p;
-          }
+          const float psum = block_exp(srow, vis, nb * block_size, m_new);
           l[row] = l[row] * alpha + psum;
           m[row] = m_new;
           if constexpr (kInt8)  // fold V's scale into the probability: (p_t * scale_v) * v_t
@@ -400,14 +625,33 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
             float* arow = &acc[row * head_dim];
             for (int64_t d = 0; d < head_dim; ++d) arow[d] *= alpha;
           }
+#if defined(__AVX512BF16__)
+          if constexpr (kDot) probs_to_bf16(srow, &pb[row * span], nb * block_size);
+#endif
         }
-        block_values<N>(sc.data(), vblock, v_stride, acc.data(), nrows, nvalid, block_size);
+        for (int64_t i = 0; i < nb; ++i) {
+          const int64_t b = b0 + i;
+          const int64_t nvalid = std::min(block_size, kmax - b * block_size);
+          const C* vblock = vp + table[b] * block_size * v_stride + w.kv_head * row_len;
+#if defined(__AVX512BF16__)
+          if constexpr (kDot)
+            block_values_bf16<N>(pb.data() + i * block_size, span,
+                                 reinterpret_cast<const uint16_t*>(vblock), v_stride, acc.data(),
+                                 nrows, nvalid);
+          else
+#endif
+            block_values<N>(sc.data() + i * block_size, span, vblock, v_stride, acc.data(),
+                            nrows, nvalid);
+        }
       }
       for (int64_t row = 0; row < nrows; ++row) {
         const int64_t t = w.t0 + row / group;
         const int64_t dst = row_of ? row_of[t] : t;
         const int64_t head = w.kv_head * group + row % group;
         float* arow = &acc[row * head_dim];
+#if defined(__AVX512BF16__)
+        if constexpr (kDot) unscramble_bf16(arow, tmp.data(), head_dim);
+#endif
         float new_lse = l[row] > 0.0f ? m[row] + std::log(l[row]) : kNegInf;
         const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
         for (int64_t d = 0; d < head_dim; ++d) arow[d] *= inv;
