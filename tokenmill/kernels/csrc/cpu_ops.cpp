@@ -8,7 +8,9 @@
 // key ranges (cascade attention: a shared prefix attended once for many sequences, then each
 // sequence's own blocks) merge exactly. K is stored transposed inside each block (store_kv).
 // The cache is in q's dtype or int8 with a float16 scale per (token, head), read in place: the
-// K scale multiplies each score, the V scale each probability (no dequantized copy).
+// K scale multiplies each score, the V scale each probability (no dequantized copy). The scores
+// of kChunk blocks are laid side by side and take one softmax step (max, exp, rescale) together.
+// bf16 queries with a bf16 cache on AVX512-BF16 multiply on vdpbf16ps (see kBf16Dot).
 //
 // linear_bf16_rows: a bf16 linear layer for one to four rows of input (AVX512-BF16).
 // rms_norm, rope_, silu_and_mul: a decoder layer's elementwise steps, fused, for bf16/fp16.
