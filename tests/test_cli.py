@@ -39,7 +39,9 @@ def test_generate_greedy():
 
 
 def test_interactive_chat_streams_and_keeps_conversation():
-    child = pexpect.spawn(sys.executable, ["-m", "tokenmill.cli", "chat", "--max-tokens", "120",
+    # room for a long reply: the one interrupted below must still be streaming when Ctrl-C
+    # lands (at 120 tokens a fast build could finish it before a busy test process reads it)
+    child = pexpect.spawn(sys.executable, ["-m", "tokenmill.cli", "chat", "--max-tokens", "1000",
                                            "--kv-cache-memory", "256blocks"],
                           encoding="utf-8", timeout=180, dimensions=(40, 120))
     try:
