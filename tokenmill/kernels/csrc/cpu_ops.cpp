@@ -310,24 +310,29 @@ inline void rows_scores(const float* q, const T* kt, const float* ks, int64_t bl
   }
 }
 
+// f(std::integral_constant<int64_t, R>{}, row) for the rows in tiles of R = 4, then one tile of
+// the 1-3 left
+template <typename F>
+inline void row_tiles(int64_t nrows, F&& f) {
+  int64_t row = 0;
+  for (; row + 4 <= nrows; row += 4) f(std::integral_constant<int64_t, 4>{}, row);
+  switch (nrows - row) {
+    case 3: f(std::integral_constant<int64_t, 3>{}, row); break;
+    case 2: f(std::integral_constant<int64_t, 2>{}, row); break;
+    case 1: f(std::integral_constant<int64_t, 1>{}, row); break;
+    default: break;
+  }
+}
+
 // the scores of nrows query rows for one block's keys, row r's at sc[r * sc_stride ..]
 template <int64_t N, typename T>
 void block_scores(const float* qbuf, const T* kt, const float* ks, float* sc, int64_t sc_stride,
                   int64_t nrows, int64_t nvalid, int64_t block_size) {
-  for (int64_t kc = 0; kc < nvalid; kc += Vec::W) {
-    int64_t row = 0;
-    for (; row + 4 <= nrows; row += 4)
-      rows_scores<N, 4>(qbuf + row * N * Vec::W, kt, ks, block_size, kc, sc + row * sc_stride,
-                        sc_stride);
-    const float* q = qbuf + row * N * Vec::W;
-    float* s = sc + row * sc_stride;
-    switch (nrows - row) {
-      case 3: rows_scores<N, 3>(q, kt, ks, block_size, kc, s, sc_stride); break;
-      case 2: rows_scores<N, 2>(q, kt, ks, block_size, kc, s, sc_stride); break;
-      case 1: rows_scores<N, 1>(q, kt, ks, block_size, kc, s, sc_stride); break;
-      default: break;
-    }
-  }
+  for (int64_t kc = 0; kc < nvalid; kc += Vec::W)
+    row_tiles(nrows, [&](auto tile, int64_t row) {
+      rows_scores<N, decltype(tile)::value>(qbuf + row * N * Vec::W, kt, ks, block_size, kc,
+                                            sc + row * sc_stride, sc_stride);
+    });
 }
 
 // acc[row] += sum_s p[row][s] * V[s], each row's accumulator held in registers over the keys
@@ -400,21 +405,11 @@ inline void rows_scores_bf16(const uint16_t* q, const uint16_t* kt, int64_t bloc
 template <int64_t N>
 void block_scores_bf16(const uint16_t* qbuf, const uint16_t* kt, float scale, float* sc,
                        int64_t sc_stride, int64_t nrows, int64_t nvalid, int64_t block_size) {
-  constexpr int64_t D = N * 16;
-  for (int64_t kc = 0; kc < nvalid; kc += 16) {
-    int64_t row = 0;
-    for (; row + 4 <= nrows; row += 4)
-      rows_scores_bf16<N, 4>(qbuf + row * D, kt, block_size, kc, scale, sc + row * sc_stride,
-                             sc_stride);
-    const uint16_t* q = qbuf + row * D;
-    float* s = sc + row * sc_stride;
-    switch (nrows - row) {
-      case 3: rows_scores_bf16<N, 3>(q, kt, block_size, kc, scale, s, sc_stride); break;
-      case 2: rows_scores_bf16<N, 2>(q, kt, block_size, kc, scale, s, sc_stride); break;
-      case 1: rows_scores_bf16<N, 1>(q, kt, block_size, kc, scale, s, sc_stride); break;
-      default: break;
-    }
-  }
+  for (int64_t kc = 0; kc < nvalid; kc += 16)
+    row_tiles(nrows, [&](auto tile, int64_t row) {
+      rows_scores_bf16<N, decltype(tile)::value>(qbuf + row * N * 16, kt, block_size, kc, scale,
+                                                 sc + row * sc_stride, sc_stride);
+    });
 }
 
 // acc[row] += sum_s p[row][s] * V[s] for R rows, keys two at a time; p in bf16 (zero beyond
