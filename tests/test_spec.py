@@ -318,17 +318,9 @@ def test_structured_output_with_speculation(plain):
 # ----- the distribution, with a deliberately bad draft --------------------------------------------
 
 
-def write_word_tokenizer(directory, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    (directory / "tokenizer.json").write_text(tok.to_str())
-
-
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
-    from tests.tiny_models import COMMON, make_hf_model, save_hf_model
+    from tests.tiny_models import COMMON, make_hf_model, save_hf_model, write_word_tokenizer
 
     paths = []
     for name, seed in (("target", 0), ("draft", 1)):
@@ -433,7 +425,7 @@ def test_drafter_skips_what_its_cache_cannot_hold(tiny_pair):
 def test_a_draft_model_must_share_the_vocabulary(tiny_pair, tmp_path):
     import shutil
 
-    from tests.tiny_models import COMMON
+    from tests.tiny_models import COMMON, write_word_tokenizer
 
     target, draft = tiny_pair
     other = tmp_path / "other"

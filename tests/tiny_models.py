@@ -112,3 +112,13 @@ def write_tiny_gguf(model, path: Path, arch: str, qtype_name: str = "F32") -> No
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_word_tokenizer(directory, vocab_size: int) -> None:
+    """A tokenizer.json of words ``w0``..``w{vocab_size-1}``, one token each (so a tiny model
+    directory loads as an engine does)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (directory / "tokenizer.json").write_text(tok.to_str())

@@ -53,7 +53,8 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
              "scale per token and head: about twice the tokens of bf16")),
     ("--enforce-eager", "enforce_eager", dict(
         action="store_const", const=True,
-        help="GPU: run every step eagerly, without CUDA graphs of the decode step")),
+        help="run every step layer by layer from Python: no CUDA graphs of the decode step "
+             "on a GPU, no fused C++ decoder step on a CPU")),
     ("--num-threads", "num_threads", dict(
         type=int, help="CPU threads of the forward (unset: chosen from the usable cores)")),
     ("--kv-cache-memory", "kv_cache_memory", dict(

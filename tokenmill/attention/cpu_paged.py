@@ -138,14 +138,19 @@ class CpuPagedBackend(AttentionBackend):
             return ref.store_kv(k, v, kv_cache, slot_mapping)
         self.ops.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
 
+    def plan(self, meta: AttentionMetadata) -> AttentionPlan:
+        """The step's plan, made on its first layer and kept in ``meta`` for the others."""
+        plan = meta.plans.get(self.name)
+        if plan is None:
+            plan = meta.plans[self.name] = make_plan(meta)
+        return plan
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         ref = self._reference_for(kv_cache)
         if ref is not None:
             return ref.forward(q, k, v, kv_cache, meta, scale)
         self.store_kv(k, v, kv_cache, meta.slot_mapping)
-        plan = meta.plans.get(self.name)
-        if plan is None:
-            plan = meta.plans[self.name] = make_plan(meta)
+        plan = self.plan(meta)
         k_cache, v_cache = kv_cache
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be strided, heads not
             q = q.contiguous()

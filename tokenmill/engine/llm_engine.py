@@ -79,6 +79,9 @@ class EngineInfo:
     kv_cache_dtype: str = "auto"
     # decode batch sizes replayed from CUDA graphs, e.g. "1,2,4,8,16,...,64"; "off" when none
     cuda_graphs: str = "off"
+    # CPU: "fused" when the decoder layers run in one C++ call (runner/cpu_step.py), else
+    # "eager: <why>"
+    cpu_step: str = "off"
     hardware: dict = field(default_factory=dict)  # the CPU and its instruction sets
     speculative: dict = field(default_factory=dict)  # method and k; empty when off
 
@@ -190,6 +193,9 @@ class LLMEngine:
         if (torch.device(config.device).type == "cuda" and backend == "triton"
                 and not config.enforce_eager):
             runner.capture_graphs(config.scheduler.max_num_seqs, max_len)
+        cpu_step = "off"
+        if torch.device(config.device).type == "cpu":
+            cpu_step = "eager: --enforce-eager" if config.enforce_eager else runner.fuse_cpu_step()
         proposer = build_decoder(config.speculative, draft, num_blocks, cache.block_size,
                                  config.device, config.scheduler.max_num_batched_tokens)
         scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), cache,
@@ -199,13 +205,13 @@ class LLMEngine:
                           (num_blocks - 1) * cache.block_size,  # block 0 is padding
                           config.scheduler.max_num_seqs, cache.block_size, dtype,
                           dtype_reason, backend, loaded.quantization, config.kv_cache_dtype,
-                          runner.graphs_description(),
+                          runner.graphs_description(), cpu_step,
                           cpu_description() if config.device.startswith("cpu") else {},
                           spec_description(config.speculative, draft) if proposer else {})
         logger.info("compute dtype %s (%s); weights %s; KV cache %s; attention backend %s; "
-                    "CUDA graphs %s; %s", dtype, dtype_reason, loaded.quantization,
-                    config.kv_cache_dtype, backend, info.cuda_graphs,
-                    info.hardware or config.device)
+                    "CUDA graphs %s; CPU step %s; %s", dtype, dtype_reason,
+                    loaded.quantization, config.kv_cache_dtype, backend, info.cuda_graphs,
+                    info.cpu_step, info.hardware or config.device)
         if proposer is not None:
             logger.info("speculative decoding: %s", info.speculative)
         grammars = GrammarBackend(tokenizer.backend.to_str(), model.vocab_size,

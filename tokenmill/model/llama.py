@@ -90,13 +90,20 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # the layer loop in one call (runner/cpu_step.py), set by the runner where it applies;
+        # it returns None for a batch it does not take, which then runs layer by layer
+        self.fused_layers = None
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(rope, h, residual, kv_cache, meta)
+        fused = None if self.fused_layers is None else self.fused_layers(h, rope, kv_caches, meta)
+        if fused is not None:
+            h, residual = fused
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                h, residual = layer(rope, h, residual, kv_cache, meta)
         h, _ = self.norm(h, residual)
         return h
 

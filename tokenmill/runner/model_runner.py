@@ -22,6 +22,7 @@ import torch
 
 from tokenmill.model.loader import LoadedModel
 from tokenmill.runner.batch import Chunk, SeqChunk, build_flat_batch
+from tokenmill.runner.cpu_step import CpuStep, unsupported
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.kv_cache import allocate_kv_cache
 from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
@@ -53,6 +54,15 @@ class ModelRunner:
                               max_model_len, self.device)
         graphs.capture()
         self.graphs = graphs
+
+    def fuse_cpu_step(self) -> str:
+        """Run the decoder layers through one C++ call per forward where the model allows it
+        (``cpu_step.py``); returns what the engine reports: "fused", or "eager: <why not>"."""
+        why = unsupported(self.model)
+        if why is not None:
+            return f"eager: {why}"
+        self.model.model.fused_layers = CpuStep.build(self.model)
+        return "fused"
 
     def graphs_description(self) -> str:
         r = self.graphs.report if self.graphs is not None else None

@@ -1052,6 +1052,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 #include "quant_ops.h"
 #include "bf16_gemm.h"
+#include "decoder_step.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs, as PyTorch's own ops do, so the server's event
@@ -1075,6 +1076,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_packed", &linear_bf16_packed,
         "bf16 linear over a packed weight, any number of rows (AVX512-BF16)", release());
   m.attr("has_bf16_gemm") = true;
+  py::class_<DecoderStack>(m, "DecoderStack",
+                           "the decoder layers of a bf16 model, run in one call")
+      .def(py::init<const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, double, double,
+                    int64_t, int64_t>())
+      .def_property_readonly("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward, release());
 #else
   m.attr("has_bf16_gemm") = false;
 #endif

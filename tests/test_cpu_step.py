@@ -1,0 +1,109 @@
+"""The fused CPU step (``runner/cpu_step.py``) against the layer-by-layer path it replaces.
+
+Both call the same kernels in the same order, so every logit must be equal bit for bit, for
+every kind of batch: prompts, chunks after a cached prefix, decode rows, ragged lengths, GQA,
+q/k/v biases, the shared-prefix (cascade) pass and an int8 KV cache. Tiny random bf16 models
+of head size 32 (the kernels' smallest) and blocks of 16 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import COMMON, make_hf_model, save_hf_model, write_word_tokenizer
+from tokenmill import LLM
+from tokenmill.kernels import cpu as cpu_kernels
+from tokenmill.model.loader import load_model
+from tokenmill.runner.batch import Chunk, build_flat_batch
+from tokenmill.runner.model_runner import ModelRunner
+
+ops = cpu_kernels.load()
+FUSED = ops is not None and hasattr(ops, "DecoderStack")
+needs_fused = pytest.mark.skipif(not FUSED, reason="needs the CPU kernels' bf16 GEMM "
+                                                   "(AVX512-BF16)")
+BLOCK = 16
+SIZES = dict(hidden_size=128, intermediate_size=96)  # 4 heads of 32
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    dirs = {}
+    for arch, extra in [("llama", {}), ("smollm2", {}), ("qwen2", {}),
+                        ("qwen3", {"head_dim": 32})]:
+        hf = make_hf_model(arch, seed=3, **SIZES, **extra)
+        directory = save_hf_model(hf, tmp_path_factory.mktemp(arch))
+        write_word_tokenizer(directory, COMMON["vocab_size"])
+        dirs[arch] = str(directory)
+    return dirs
+
+
+def bf16_runner(path: str, kv_cache_dtype: str = "auto") -> ModelRunner:
+    return ModelRunner(load_model(path, "cpu", dtype="bfloat16"), num_blocks=64,
+                       block_size=BLOCK, kv_cache_dtype=kv_cache_dtype)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@needs_fused
+@pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "auto"), ("smollm2", "auto"),
+                                                 ("qwen2", "auto"), ("llama", "int8")])
+def test_fused_step_equals_layer_by_layer(model_dirs, arch, kv_cache_dtype):
+    # two runners, each with its own cache: the fused one reads only the K/V it stored itself
+    eager = bf16_runner(model_dirs[arch], kv_cache_dtype)
+    runner = bf16_runner(model_dirs[arch], kv_cache_dtype)
+    assert runner.fuse_cpu_step() == "fused"
+    assert eager.model.model.fused_layers is None
+    a, b = ids(40, 1), ids(23, 2)
+    steps = [
+        # prompts of ragged lengths in one batch (a: 2.5 blocks, b: 1.4, c: one token)
+        [Chunk(a, 0, [1, 2, 3]), Chunk(b, 0, [4, 5]), Chunk([7], 0, [6])],
+        # a chunk after a cached prefix, a decode row, a chunk ending mid-block
+        [Chunk(ids(9, 3), 40, [1, 2, 3, 7]), Chunk([11], 23, [4, 5]), Chunk(ids(5, 4), 1, [6])],
+        # three sequences sharing a's first two blocks: the cascade pass
+        [Chunk(ids(3, 10 + i), 32, [1, 2, 8 + i]) for i in range(3)],
+        # plain decode of several sequences at different lengths
+        [Chunk([5 + i], 35 + 3 * i, [1, 2, 8 + i]) for i in range(3)] + [Chunk([9], 24, [4, 5])],
+    ]
+    plan = runner.model.model.layers[0].self_attn.backend.plan
+    assert plan(build_flat_batch(steps[2], BLOCK, "cpu").meta).shared is not None
+    for i, chunks in enumerate(steps):
+        want = eager.forward(chunks, all_logits=True)
+        got = runner.forward(chunks, all_logits=True)
+        assert want.shape == got.shape == (sum(len(c.token_ids) for c in chunks), 96)
+        assert torch.isfinite(want).all()
+        assert torch.equal(want, got), f"step {i}: max diff {(want - got).abs().max()}"
+
+
+@needs_fused
+def test_fused_step_generates_what_the_eager_path_does(model_dirs):
+    eager = LLM(model_dirs["llama"], dtype="bfloat16", num_blocks=64, block_size=BLOCK,
+                enforce_eager=True)
+    fused = LLM(model_dirs["llama"], dtype="bfloat16", num_blocks=64, block_size=BLOCK)
+    assert eager.engine.info.cpu_step == "eager: --enforce-eager"
+    assert fused.engine.info.cpu_step == "fused"
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [ids(n, 20 + n) for n in (5, 17, 33)]
+    out_e = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    out_f = [o.outputs[0].token_ids for o in fused.generate(prompts, params, use_tqdm=False)]
+    assert out_f == out_e and all(len(t) == 24 for t in out_f)
+
+
+def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
+    """float32, and Qwen3's per-head q/k norms, keep the layer-by-layer path (and say why)."""
+    fp32 = ModelRunner(load_model(model_dirs["llama"], "cpu", dtype="float32"), num_blocks=64,
+                       block_size=BLOCK)
+    qwen3 = bf16_runner(model_dirs["qwen3"])
+    kernels_reason = "eager: needs the CPU kernels' attention and bf16 GEMM (AVX512-BF16)"
+    assert fp32.fuse_cpu_step() == (
+        "eager: not every linear layer is a packed bf16 weight (dtype or quantization)"
+        if FUSED else kernels_reason)
+    assert qwen3.fuse_cpu_step() == ("eager: per-head q/k norms (Qwen3) run eagerly"
+                                     if FUSED else kernels_reason)
+    for runner in (fp32, qwen3):
+        assert runner.model.model.fused_layers is None
+        logits = runner.forward([Chunk(ids(20, 5), 0, [1, 2])])
+        assert logits.shape == (1, 96) and torch.isfinite(logits).all()

@@ -1,0 +1,122 @@
+// The decoder layers of a bf16 Llama-family model in one call (runner/cpu_step.py).
+//
+// Run from Python, a layer is ~10 kernel calls wrapped in ~40 small tensor operations and
+// module calls: ~100 us of interpreter time per layer, 3 ms of a 13 ms single-sequence decode
+// step of the default model. This runs the same kernels in the same order from C++ (so its
+// results are the eager path's, bit for bit) with the GIL released for the whole stack, which
+// also leaves the interpreter to the server's event loop meanwhile.
+//
+// Per layer, as LlamaDecoderLayer does it: RMSNorm (with the residual add from the second
+// layer on), the fused qkv projection, RoPE of the q and k heads in place, K/V stored at their
+// slots, paged attention (and the shared-prefix pass, merged in float32, when the step has
+// one), o_proj, RMSNorm with the residual, gate/up, SiLU·mul, down. Every linear is packed for
+// vdpbf16ps, so this exists only where bf16_gemm.h does. Included by cpu_ops.cpp after it.
+
+#pragma once
+
+#ifdef TOKENMILL_HAS_BF16_GEMM
+
+namespace {
+
+class DecoderStack {
+ public:
+  // Per layer, in this order (an empty tensor for a missing bias): input norm weight, packed
+  // qkv, qkv bias, packed o, o bias, post-attention norm weight, packed gate/up, gate/up
+  // bias, packed down, down bias.
+  static constexpr size_t kPerLayer = 10;
+
+  DecoderStack(const std::vector<at::Tensor>& weights, int64_t heads, int64_t kv_heads,
+               int64_t head_dim, double eps, double scale, int64_t tile, int64_t cascade_tile)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        tile_(tile), cascade_tile_(cascade_tile) {
+    TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
+                "DecoderStack: ", kPerLayer, " tensors per layer");
+    auto bias = [](const at::Tensor& t) {
+      return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+    };
+    for (size_t i = 0; i < weights.size(); i += kPerLayer) {
+      const at::Tensor* w = weights.data() + i;
+      layers_.push_back({w[0], w[1], bias(w[2]), w[3], bias(w[4]), w[5], w[6], bias(w[7]),
+                         w[8], bias(w[9])});
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h: the embeddings (T, hidden) bf16. cos/sin: float32 (T, head_dim / 2). The caches: one
+  // per layer. The attention arguments as paged_attention takes them for the main pass;
+  // `shared`: empty, or the shared-prefix pass's (block tables, query starts, key start
+  // blocks, key limits, rows). Returns (h, residual) after the last layer, before the final
+  // norm.
+  std::vector<at::Tensor> forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                                  const std::vector<at::Tensor>& k_caches,
+                                  const std::vector<at::Tensor>& v_caches,
+                                  const at::Tensor& slots, const at::Tensor& block_tables,
+                                  const at::Tensor& query_start, const at::Tensor& key_start,
+                                  const at::Tensor& key_limit, const at::Tensor& no_rows,
+                                  const std::vector<at::Tensor>& shared) const {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "DecoderStack: one K and one V cache per layer");
+    TORCH_CHECK(shared.empty() || shared.size() == 5, "DecoderStack: shared pass arguments");
+    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16,
+                "DecoderStack: bf16 hidden states (T, hidden)");
+    const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
+    const at::Tensor no_residual = at::empty({0}, h.options());
+    const auto out_options = h.options().dtype(shared.empty() ? at::kBFloat16 : at::kFloat);
+    at::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      if (!residual.defined()) {
+        residual = h;
+        h = rms_norm(h, no_residual, l.in_norm, eps_)[0];
+      } else {
+        std::vector<at::Tensor> r = rms_norm(h, residual, l.in_norm, eps_);
+        h = r[0];
+        residual = r[1];
+      }
+      const at::Tensor qkv = linear_bf16_packed(h, l.qkv, l.qkv_bias);
+      const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
+      rope_(qk_heads, cos, sin);
+      const at::Tensor q = qk_heads.narrow(1, 0, heads_);
+      const at::Tensor k = qk_heads.narrow(1, heads_, kv_heads_);
+      const at::Tensor v =
+          qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_});
+      store_kv(k, v, k_caches[i], v_caches[i], slots);
+      at::Tensor out = at::empty({n, heads_, head_dim_}, out_options);
+      const at::Tensor lse = at::empty({n, heads_}, h.options().dtype(at::kFloat));
+      paged_attention(q, k_caches[i], v_caches[i], block_tables, query_start, key_start,
+                      key_limit, no_rows, out, lse, scale_, false, tile_);
+      if (!shared.empty()) {
+        paged_attention(q, k_caches[i], v_caches[i], shared[0], shared[1], shared[2],
+                        shared[3], shared[4], out, lse, scale_, true, cascade_tile_);
+        out = out.to(at::kBFloat16);
+      }
+      const at::Tensor o = linear_bf16_packed(out.view({n, heads_ * head_dim_}), l.o, l.o_bias);
+      std::vector<at::Tensor> r = rms_norm(o, residual, l.post_norm, eps_);
+      residual = r[1];
+      const at::Tensor gate_up = linear_bf16_packed(r[0], l.gate_up, l.gate_up_bias);
+      h = linear_bf16_packed(silu_and_mul(gate_up), l.down, l.down_bias);
+    }
+    return {h, residual};
+  }
+
+ private:
+  struct Layer {
+    at::Tensor in_norm, qkv;
+    c10::optional<at::Tensor> qkv_bias;
+    at::Tensor o;
+    c10::optional<at::Tensor> o_bias;
+    at::Tensor post_norm, gate_up;
+    c10::optional<at::Tensor> gate_up_bias;
+    at::Tensor down;
+    c10::optional<at::Tensor> down_bias;
+  };
+  std::vector<Layer> layers_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+  int64_t tile_, cascade_tile_;
+};
+
+}  // namespace
+
+#endif
