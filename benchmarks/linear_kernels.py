@@ -1,6 +1,6 @@
 """The CPU matmul questions behind ``Linear.pack_for_cpu`` and ``SMALL_M_ROWS``: time the
-projections of one decode step of a model shape with ``F.linear`` and with oneDNN on prepacked
-weights (fp32), and in bf16 with ``F.linear``, the CPU kernels' ``linear_bf16_rows`` and their
+projections of one decode step of a model shape with ``F.linear``, with oneDNN on prepacked
+weights and with the CPU kernels' ``linear_f32_packed`` (fp32), and in bf16 with ``F.linear``, the CPU kernels' ``linear_bf16_rows`` and their
 ``linear_bf16_packed`` on weights packed for vdpbf16ps (where the CPU has AVX512-BF16).
 
     python3 benchmarks/linear_kernels.py                    # SmolLM2-135M shapes, 1/8/32 rows
@@ -57,14 +57,22 @@ def main() -> None:
 
     print(f"{len(dense)} projections, {sum(w.numel() for w in dense) * 4 / 1e6:.0f} MB fp32, "
           f"{torch.get_num_threads()} threads")
-    print("rows  F.linear (ms)  oneDNN prepacked (ms)")
-    for rows in (int(r) for r in args.rows.split(",")):
-        print(f"{rows:4}  {step_ms(run_dense, dense, rows, args.reps):13.1f}  "
-              f"{step_ms(run_onednn, dense, rows, args.reps):21.1f}")
-
     from tokenmill.kernels import cpu
 
     ops = cpu.load()
+    cols = getattr(ops, "f32_pack_cols", 0) if ops is not None else 0
+    ours = [ops.pack_f32_weight(w) for w in dense] if cols else []
+
+    def run_ours(xs):
+        for w, p in zip(dense, ours):
+            ops.linear_f32_packed(xs[w.shape[1]], p, None)
+
+    print("rows  F.linear (ms)  oneDNN prepacked (ms)  linear_f32_packed (ms)")
+    for rows in (int(r) for r in args.rows.split(",")):
+        ours_ms = step_ms(run_ours, dense, rows, args.reps) if ours else float("nan")
+        print(f"{rows:4}  {step_ms(run_dense, dense, rows, args.reps):13.1f}  "
+              f"{step_ms(run_onednn, dense, rows, args.reps):21.1f}  {ours_ms:22.1f}")
+    del ours
     if ops is None or not ops.has_bf16_dot:
         return
     bf16 = [w.bfloat16() for w in dense]

@@ -144,6 +144,36 @@ def test_packed_bf16_linear_matches_float_reference(rows, n, k, bias):
                                None if not bias else layer.bias.float()), rtol=8e-3, atol=1e-2)
 
 
+@pytest.mark.skipif(ops is None or not getattr(ops, "f32_pack_cols", 0), reason="needs AVX2")
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 13, 64, 70])
+@pytest.mark.parametrize("n,k", [(48, 33), (64, 576), (16, 1)])  # an odd block pair, tiny K
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_f32_linear_matches_float64_reference(rows, n, k, bias):
+    """The float32 kernel on a packed weight: every row count (whole tiles and the rest), a
+    last column block without a partner, through Linear once packed; strided and 3-D input."""
+    from tokenmill.model.layers import Linear
+
+    g = torch.Generator().manual_seed(rows * 5 + n)
+    layer = Linear(k, n, bias=bias)
+    layer.weight.data = torch.randn(n, k, generator=g)
+    if bias:
+        layer.bias.data = torch.randn(n, generator=g)
+    w = layer.weight.detach().clone()
+    b = None if not bias else layer.bias.detach().double()
+    layer.cpu_ops = ops
+    assert layer.pack_for_cpu(keep_dense=False, ops=ops)
+    cols = ops.f32_pack_cols
+    assert layer.weight is None and layer.packed_f32.shape == (n // cols, k, cols)
+    x = torch.randn(rows, k, generator=g)
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    tol = dict(rtol=1e-5, atol=1e-6 * k + 1e-5)  # float32 rounding of a sum of k products
+    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double(), b), **tol)
+    wide = torch.randn(2, rows, 2 * k, generator=g)[..., :k]
+    torch.testing.assert_close(layer(wide).double(), F.linear(wide.double(), w.double(), b),
+                               **tol)
+
+
 @pytest.mark.skipif(ops is None or not getattr(ops, "has_bf16_gemm", False),
                     reason="needs AVX512-BF16")
 def test_packing_needs_whole_blocks_of_16_features():

@@ -45,6 +45,8 @@ class Linear(nn.Module):
         self.weight = empty_param(out_features, in_features)
         self.bias = empty_param(out_features) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU, fp32)
+        # float32 with the CPU kernels (AVX2/AVX512): the weight in their column-block layout
+        self.packed_f32: torch.Tensor | None = None
         # bf16 on a CPU with AVX512-BF16: the weight in the kernels' vdpbf16ps layout
         self.packed_bf16: torch.Tensor | None = None
         self.cpu_ops = None  # set by the loader when the CPU kernels are in use
@@ -64,6 +66,12 @@ class Linear(nn.Module):
             shape = x.shape
             out = ops.linear_bf16_packed(x.reshape(-1, shape[-1]).to(torch.bfloat16),
                                          self.packed_bf16, self.bias)
+            return out.view(*shape[:-1], out.shape[-1])
+        if self.packed_f32 is not None:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            shape = x.shape
+            out = ops.linear_f32_packed(x.reshape(-1, shape[-1]), self.packed_f32, self.bias)
             return out.view(*shape[:-1], out.shape[-1])
         if (ops is not None and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16
                 and ops.has_bf16_dot and self.weight.shape[0] % 4 == 0):
@@ -107,9 +115,13 @@ class Linear(nn.Module):
     def pack_for_cpu(self, keep_dense: bool, ops=None) -> bool:
         """Move the weight into the layout of the kernel that multiplies it best on a CPU.
 
-        float32: oneDNN's. MKL's dense sgemm streams a [N, K] weight poorly when only a few
-        rows of input come in (decode); oneDNN's inner-product on the same weights is 1.4-1.7x
-        faster at 1-32 rows (benchmarks/model_speed.py).
+        float32 with the CPU kernels on AVX2/AVX512 (N a multiple of their register width):
+        their column-block layout (``csrc/f32_gemm.h``), ahead of oneDNN's prepacked weights
+        at every batch size measured (all linears of a decode step: 1 row 27.4 -> 16.5 ms,
+        8 rows 44.2 -> 17.3, 32 rows 65.5 -> 43.3, 512 rows 701 -> 664; Zen 4, 2 cores,
+        benchmarks/linear_kernels.py). Otherwise oneDNN's: MKL's dense sgemm streams a [N, K]
+        weight poorly when only a few rows of input come in; oneDNN's inner-product on the same
+        weights is 1.4-1.7x faster at 1-32 rows (benchmarks/model_speed.py).
         bfloat16 with the CPU kernels on AVX512-BF16 (N a multiple of 16): their vdpbf16ps
         layout (``csrc/bf16_gemm.h``), ahead of oneDNN at every batch size measured, 1.3-2.2x at
         1-64 rows (benchmarks/linear_kernels.py).
@@ -122,6 +134,9 @@ class Linear(nn.Module):
         if (w.dtype == torch.bfloat16 and ops is not None
                 and getattr(ops, "has_bf16_gemm", False) and w.shape[0] % 16 == 0):
             self.packed_bf16 = ops.pack_bf16_weight(w.detach())
+        elif (w.dtype == torch.float32 and ops is not None
+              and getattr(ops, "f32_pack_cols", 0) and w.shape[0] % ops.f32_pack_cols == 0):
+            self.packed_f32 = ops.pack_f32_weight(w.detach())
         elif w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = w.detach().to_mkldnn()
         else:

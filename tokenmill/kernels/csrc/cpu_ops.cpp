@@ -13,6 +13,8 @@
 // bf16 queries with a bf16 cache on AVX512-BF16 multiply on vdpbf16ps (see kBf16Dot).
 //
 // linear_bf16_rows: a bf16 linear layer for one to four rows of input (AVX512-BF16).
+// linear_bf16_packed, linear_f32_packed: linear layers over weights packed for them
+// (bf16_gemm.h, f32_gemm.h); DecoderStack: a bf16 model's decoder layers in one call.
 // rms_norm, rope_, silu_and_mul: a decoder layer's elementwise steps, fused, for bf16/fp16.
 //
 // Vector code uses AVX512 or AVX2 intrinsics when the build machine has them (the build is
@@ -33,6 +35,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -1052,6 +1055,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 #include "quant_ops.h"
 #include "bf16_gemm.h"
+#include "f32_gemm.h"
 #include "decoder_step.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1084,5 +1088,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecoderStack::forward, release());
 #else
   m.attr("has_bf16_gemm") = false;
+#endif
+#ifdef TOKENMILL_HAS_F32_GEMM
+  m.def("pack_f32_weight", &pack_f32_weight, "a float32 weight in linear_f32_packed's layout");
+  m.def("linear_f32_packed", &linear_f32_packed,
+        "float32 linear over a packed weight, any number of rows (AVX2 or AVX512)", release());
+  m.attr("f32_pack_cols") = Vec::W;
+#else
+  m.attr("f32_pack_cols") = 0;
 #endif
 }
