@@ -72,11 +72,11 @@ def main() -> None:
         ours_ms = step_ms(run_ours, dense, rows, args.reps) if ours else float("nan")
         print(f"{rows:4}  {step_ms(run_dense, dense, rows, args.reps):13.1f}  "
               f"{step_ms(run_onednn, dense, rows, args.reps):21.1f}  {ours_ms:22.1f}")
-    del ours
+    ours = []  # free the packed copies (the closure above is done with them)
     if ops is None or not ops.has_bf16_dot:
         return
     bf16 = [w.bfloat16() for w in dense]
-    del dense, packed
+    dense = packed = []  # free the fp32 weights before the bf16 ones are timed
 
     def run_bf16(xs):
         for w in bf16:

@@ -58,7 +58,7 @@ def test_bad_text_files_are_eval_errors(tmp_path):
 def tiny(tmp_path_factory):
     """(engine in float32, the same weights in transformers). qwen3's head size (32) is one the
     compiled CPU attention takes."""
-    from tests.test_spec import write_word_tokenizer
+    from tests.tiny_models import write_word_tokenizer
     from tests.tiny_models import COMMON, make_hf_model, save_hf_model
 
     hf = make_hf_model("qwen3", seed=3)

@@ -109,16 +109,27 @@ def test_mixed_batch_equals_each_request_alone(pair):
 
 
 def test_cpu_linear_layers_packed(pair, device):
-    """On a CPU in fp32 every projection runs oneDNN on a prepacked weight (the tests above
-    check its logits); a weight no other module shares is not kept twice, a tied one is."""
+    """On a CPU in fp32 every projection runs on a packed weight (the tests above check its
+    logits): the CPU kernels' float32 layout where they are built for AVX2/AVX512 and the output
+    size is a multiple of their register width, else oneDNN's; a weight no other module
+    shares is not kept twice, a tied one is."""
     if device != "cpu" or not torch.backends.mkldnn.is_available():
-        pytest.skip("oneDNN packing applies to fp32 on a CPU")
+        pytest.skip("weight packing applies to fp32 on a CPU")
     from tokenmill.model.layers import Linear
 
     module = pair[1].runner.model
     embed = module.model.embed_tokens.weight
+    ops = getattr(module.model.layers[0].self_attn.backend, "ops", None)
+    cols = getattr(ops, "f32_pack_cols", 0) if ops is not None else 0
+    kernel_packed = 0
     for name, layer in module.named_modules():
         if isinstance(layer, Linear):
-            assert layer.packed is not None and layer.packed.is_mkldnn, name
+            if layer.packed_f32 is not None:
+                assert cols and layer.packed_f32.shape[2] == cols and layer.packed is None, name
+                kernel_packed += 1
+            else:  # oneDNN only where the kernels cannot take the weight
+                assert layer.packed is not None and layer.packed.is_mkldnn, name
+                assert not cols or layer.packed.size(0) % cols, name
             if layer.weight is not None:  # only the lm_head tied to the embedding keeps it
                 assert name == "lm_head" and layer.weight is embed
+    assert kernel_packed == (0 if not cols else 4 * len(module.model.layers) + 1)  # sizes of 16
