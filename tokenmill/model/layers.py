@@ -61,18 +61,10 @@ class Linear(nn.Module):
             return quant_linear(x, self.quant, self.bias, self.quant_ops)
         ops = self.cpu_ops
         if self.packed_bf16 is not None:
-            if x.stride(-1) != 1:
-                x = x.contiguous()
-            shape = x.shape
-            out = ops.linear_bf16_packed(x.reshape(-1, shape[-1]).to(torch.bfloat16),
-                                         self.packed_bf16, self.bias)
-            return out.view(*shape[:-1], out.shape[-1])
+            return self._on_packed(x.to(torch.bfloat16), ops.linear_bf16_packed,
+                                   self.packed_bf16)
         if self.packed_f32 is not None:
-            if x.stride(-1) != 1:
-                x = x.contiguous()
-            shape = x.shape
-            out = ops.linear_f32_packed(x.reshape(-1, shape[-1]), self.packed_f32, self.bias)
-            return out.view(*shape[:-1], out.shape[-1])
+            return self._on_packed(x, ops.linear_f32_packed, self.packed_f32)
         if (ops is not None and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16
                 and ops.has_bf16_dot and self.weight.shape[0] % 4 == 0):
             # a few rows (decode at small batch): a pass over bf16 weights at memory speed
@@ -80,6 +72,15 @@ class Linear(nn.Module):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _on_packed(self, x: torch.Tensor, kernel, packed: torch.Tensor) -> torch.Tensor:
+        """A packed-weight kernel (it takes rows with a unit inner stride) over ``x``'s rows,
+        any leading dimensions."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        shape = x.shape
+        out = kernel(x.reshape(-1, shape[-1]), packed, self.bias)
+        return out.view(*shape[:-1], out.shape[-1])
 
     def load_quantized(self, qw: QuantWeight, shard_id=None) -> None:
         """Take a checkpoint tensor that stays quantized (a GGUF block format); the shards of a

@@ -22,17 +22,8 @@ class CpuStep:
     model's ``fused_layers``. Returns None for a forward it cannot take (a cache the kernel
     does not read), which then runs eagerly."""
 
-    def __init__(self, stack, backend: CpuPagedBackend):
-        self.stack = stack
-        self.backend = backend
-        self._caches: tuple[int, list, list] | None = None
-
-    @classmethod
-    def build(cls, model: torch.nn.Module) -> CpuStep | None:
-        """The fused step for ``model`` (a ``LlamaForCausalLM``), or None with the reason it
-        does not apply logged by the caller: see ``unsupported``."""
-        if unsupported(model) is not None:
-            return None
+    def __init__(self, model: torch.nn.Module):
+        """The fused step for ``model``, a ``LlamaForCausalLM`` that ``unsupported`` passed."""
         inner = model.model
         attn = inner.layers[0].self_attn
         weights = []
@@ -43,22 +34,20 @@ class CpuStep:
                       mlp.gate_up_proj.packed_bf16, mlp.gate_up_proj.bias,
                       mlp.down_proj.packed_bf16, mlp.down_proj.bias):
                 weights.append(_NONE if t is None else t.detach())
-        stack = attn.backend.ops.DecoderStack(
+        self.stack = attn.backend.ops.DecoderStack(
             weights, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             inner.layers[0].input_layernorm.eps, attn.scale, TILE, CASCADE_TILE)
-        return cls(stack, attn.backend)
+        self.backend: CpuPagedBackend = attn.backend
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
         if h.dtype != torch.bfloat16 or self.backend._reference_for(kv_caches[0]) is not None:
             return None
-        if self._caches is None or self._caches[0] is not kv_caches:
-            self._caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
-        _, k_caches, v_caches = self._caches
         plan = self.backend.plan(meta)
         cos, sin = rope
         h, residual = self.stack.forward(
-            h, cos.squeeze(1), sin.squeeze(1), k_caches, v_caches, meta.slot_mapping,
+            h, cos.squeeze(1), sin.squeeze(1), [k for k, _ in kv_caches],
+            [v for _, v in kv_caches], meta.slot_mapping,
             meta.block_tables, meta.query_start_loc, plan.key_start_block, plan.key_limit,
             plan.empty, list(plan.shared) if plan.shared is not None else [])
         return h, residual

@@ -61,7 +61,7 @@ class ModelRunner:
         why = unsupported(self.model)
         if why is not None:
             return f"eager: {why}"
-        self.model.model.fused_layers = CpuStep.build(self.model)
+        self.model.model.fused_layers = CpuStep(self.model)
         return "fused"
 
     def graphs_description(self) -> str:

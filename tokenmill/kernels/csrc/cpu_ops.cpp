@@ -1084,7 +1084,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                            "the decoder layers of a bf16 model, run in one call")
       .def(py::init<const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, double, double,
                     int64_t, int64_t>())
-      .def_property_readonly("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward, release());
 #else
   m.attr("has_bf16_gemm") = false;

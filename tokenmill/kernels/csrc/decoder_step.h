@@ -41,8 +41,6 @@ class DecoderStack {
     }
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // h: the embeddings (T, hidden) bf16. cos/sin: float32 (T, head_dim / 2). The caches: one
   // per layer. The attention arguments as paged_attention takes them for the main pass;
   // `shared`: empty, or the shared-prefix pass's (block tables, query starts, key start
