@@ -42,6 +42,29 @@ def test_rms_norm_matches_torch(dtype, with_residual, shape):
         close_in_dtype(got, want)
 
 
+def test_bf16_rounding_is_torchs_to_the_bit():
+    """The kernels round float32 to bfloat16 in registers: ties to even, overflow to inf,
+    signed zero and subnormals come out with PyTorch's bits, NaN as NaN (the residual sum of
+    rms_norm is one rounding of x + residual, so it must equal torch's add bit for bit)."""
+    tiny = torch.finfo(torch.bfloat16).smallest_normal
+    pairs = [(1.0, 2.0 ** -8), (1.0 + 2.0 ** -7, 2.0 ** -8), (-1.0, -(2.0 ** -8)),
+             (3.0e38, 3.0e38), (-3.0e38, -3.0e38), (float("nan"), 1.0), (float("inf"), 1.0),
+             (float("-inf"), -1.0), (-0.0, -0.0), (tiny / 4, 0.0), (-tiny / 8, tiny / 64),
+             (1.0, 1e-30)]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 576, generator=g).to(torch.bfloat16)
+    res = torch.randn(3, 576, generator=g).to(torch.bfloat16)
+    for i, (a, b) in enumerate(pairs):  # in row 0's first register and row 1's last
+        x[0, i], res[0, i] = a, b
+        x[1, 576 - 1 - i], res[1, 576 - 1 - i] = a, b
+    x.view(torch.int16)[2, :2] = 0x7FFF  # NaN with every mantissa bit set
+    _, summed = ops.rms_norm(x, res, torch.ones(576, dtype=torch.bfloat16), 1e-5)
+    want = (x.float() + res.float()).to(torch.bfloat16)
+    nan = want.isnan()  # NaN stays NaN (its bits differ between PyTorch's own conversions)
+    assert nan.sum() == 4 and torch.equal(summed.isnan(), nan)
+    assert torch.equal(summed.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_in_place_matches_torch_on_strided_rows(dtype):
     g = torch.Generator().manual_seed(2)

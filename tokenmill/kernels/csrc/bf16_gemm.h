@@ -27,6 +27,7 @@
 namespace {
 
 constexpr int64_t kPackCols = 16;  // output features per column block (one zmm of float32)
+static_assert(Vec::W == kPackCols, "a column block is one register of float32 lanes");
 
 at::Tensor pack_bf16_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
@@ -140,10 +141,11 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
           gemm_rows<1>(xp + r0 * xs, xs, rr, k_len, w, block_stride, scratch.data(), 32,
                        r0 == 0);
         for (int64_t r = 0; r < rr; ++r)
-          for (int64_t c = 0; c < nb * 16; ++c) {
-            const int64_t n = b0 * 16 + c;
-            const float bv = bp ? static_cast<float>(bp[n]) : 0.0f;
-            op[(r0 + r) * n_out + n] = static_cast<at::BFloat16>(scratch[r * 32 + c] + bv);
+          for (int b = 0; b < nb; ++b) {
+            const int64_t n = (b0 + b) * kPackCols;
+            Vec y = Vec::load(scratch.data() + r * 32 + b * kPackCols);
+            if (bp) y = Vec::add(y, Vec::load(bp + n));
+            store_as(y, op + (r0 + r) * n_out + n);
           }
       }
     }

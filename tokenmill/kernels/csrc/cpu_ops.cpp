@@ -173,6 +173,91 @@ struct Vec {  // no AVX2: eight plain lanes, which the compiler vectorises as it
 };
 #endif
 
+// ---- float32 -> T, rounded as PyTorch rounds (bfloat16: to nearest even, NaN -> 0x7FC0),
+// Vec::W lanes at a time. A bfloat16 is a float32's upper half, so rounding keeps it in a
+// lane's upper 16 bits: read as a float, the lane is the rounded value (round_as); store_as
+// writes the upper halves out.
+#if defined(__AVX512F__)
+inline __m512i bf16_round_bits(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(
+      _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+      _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7FC00000));
+}
+inline Vec round_bf16(Vec v) { return {_mm512_castsi512_ps(bf16_round_bits(v.v))}; }
+inline void store_as(Vec v, at::BFloat16* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(v.v), 16)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256i bf16_round_bits(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+      _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                              _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                                              _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+inline Vec round_bf16(Vec v) { return {_mm256_castsi256_ps(bf16_round_bits(v.v))}; }
+inline void store_as(Vec v, at::BFloat16* dst) {
+  const __m256i h = _mm256_srli_epi32(bf16_round_bits(v.v), 16);  // each lane <= 0xFFFF
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+#else
+inline Vec round_bf16(Vec v) {
+  for (int64_t i = 0; i < Vec::W; ++i)
+    v.v[i] = static_cast<float>(static_cast<at::BFloat16>(v.v[i]));
+  return v;
+}
+inline void store_as(Vec v, at::BFloat16* dst) { store_row(v.v, dst, Vec::W); }
+#endif
+
+inline void store_as(Vec v, float* dst) { v.store(dst); }
+
+template <typename T>  // any other dtype (float16): one by one
+inline void store_as(Vec v, T* dst) {
+  float tmp[Vec::W];
+  v.store(tmp);
+  store_row(tmp, dst, Vec::W);
+}
+
+// v rounded to T's precision, as float32 again: float(T(v)) per lane
+template <typename T>
+inline Vec round_as(Vec v) {
+  if constexpr (std::is_same<T, float>::value) {
+    return v;
+  } else if constexpr (std::is_same<T, at::BFloat16>::value) {
+    return round_bf16(v);
+  } else {
+    float tmp[Vec::W];
+    v.store(tmp);
+    for (int64_t i = 0; i < Vec::W; ++i) tmp[i] = static_cast<float>(static_cast<T>(tmp[i]));
+    return Vec::load(tmp);
+  }
+}
+
+// n float32 values written as T, whole registers then one by one
+template <typename T>
+inline void write_row(const float* src, T* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::W <= n; i += Vec::W) store_as(Vec::load(src + i), dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+inline float lane_sum(Vec v) {  // lane 0 + lane 1 + ... in that order
+  float tmp[Vec::W];
+  v.store(tmp);
+  float s = 0.0f;
+  for (int64_t i = 0; i < Vec::W; ++i) s += tmp[i];
+  return s;
+}
+
 // ---- paged attention ----------------------------------------------------------------------
 //
 // Cache layout of this backend (the block table and slot mapping are the contract; the layout
@@ -668,7 +753,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
             arow[d] = (tmp[d] * w_old + arow[d] * w_new) / denom;
           new_lse = top + std::log(denom);
         }
-        store_row(arow, orow, head_dim);
+        write_row(arow, orow, head_dim);
         *lrow = new_lse;
       }
     }
@@ -940,27 +1025,47 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Te
   T* op = out.data_ptr<T>();
   T* sp = rp ? res_out.data_ptr<T>() : nullptr;
   const int64_t xs = x.stride(0), rs = rp ? residual.stride(0) : 0;
+  constexpr int64_t W = Vec::W;
+  const int64_t nv = n - n % W;  // whole registers, then one by one
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> v(n);
+    std::vector<float> v(n), wf(n);
+    load_row(wp, wf.data(), n);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = xp + r * xs;
+      Vec sq = Vec::zero();
       if (rp) {
         const T* rr = rp + r * rs;
         T* sr = sp + r * n;
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = 0; i < nv; i += W) {
+          const Vec s = round_as<T>(Vec::add(Vec::load(xr + i), Vec::load(rr + i)));
+          store_as(s, sr + i);
+          s.store(v.data() + i);
+          sq = Vec::fma(s, s, sq);
+        }
+        for (int64_t i = nv; i < n; ++i) {
           sr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
           v[i] = static_cast<float>(sr[i]);
         }
       } else {
-        load_row(xr, v.data(), n);
+        for (int64_t i = 0; i < nv; i += W) {
+          const Vec s = Vec::load(xr + i);
+          s.store(v.data() + i);
+          sq = Vec::fma(s, s, sq);
+        }
+        for (int64_t i = nv; i < n; ++i) v[i] = static_cast<float>(xr[i]);
       }
-      float ss = 0.0f;
-      for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+      float ss = lane_sum(sq);
+      for (int64_t i = nv; i < n; ++i) ss += v[i] * v[i];
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
       T* orow = op + r * n;
-      for (int64_t i = 0; i < n; ++i) {
+      const Vec iv = Vec::set1(inv);
+      for (int64_t i = 0; i < nv; i += W)
+        store_as(Vec::mul(Vec::load(wf.data() + i),
+                          round_as<T>(Vec::mul(Vec::load(v.data() + i), iv))),
+                 orow + i);
+      for (int64_t i = nv; i < n; ++i) {
         const float normed = static_cast<float>(static_cast<T>(v[i] * inv));
-        orow[i] = static_cast<T>(static_cast<float>(wp[i]) * normed);
+        orow[i] = static_cast<T>(wf[i] * normed);
       }
     }
   });
@@ -1034,9 +1139,23 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
     for (int64_t r = begin; r < end; ++r) {
       load_row(xp + r * xs, g.data(), n);
       load_row(xp + r * xs + n, u.data(), n);
-      for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + exp_clamped(-g[i]));
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      for (; j + 16 <= n; j += 16) {
+        const __m512 gv = _mm512_loadu_ps(g.data() + j);
+        _mm512_storeu_ps(y.data() + j,
+                         _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                         exp_clamped16(_mm512_sub_ps(
+                                                             _mm512_setzero_ps(), gv)))));
+      }
+#endif
+      for (; j < n; ++j) y[j] = g[j] / (1.0f + exp_clamped(-g[j]));
       T* orow = op + r * n;
-      for (int64_t i = 0; i < n; ++i)
+      int64_t i = 0;
+      for (; i + Vec::W <= n; i += Vec::W)
+        store_as(Vec::mul(round_as<T>(Vec::load(y.data() + i)), Vec::load(u.data() + i)),
+                 orow + i);
+      for (; i < n; ++i)
         orow[i] = static_cast<T>(static_cast<float>(static_cast<T>(y[i])) * u[i]);
     }
   });

@@ -256,30 +256,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return results_as(res, rows, n_out, x, bias);
 }
 
-// Lanes of v written as T (bfloat16: rounded to nearest even, like PyTorch's conversion)
-template <typename T>
-inline void store_as(Vec v, T* dst) {
-  float tmp[Vec::W];
-  v.store(tmp);
-  store_row(tmp, dst, Vec::W);
-}
-
-inline void store_as(Vec v, float* dst) { v.store(dst); }
-
-#if defined(__AVX512BF16__)
-inline void store_as(Vec v, at::BFloat16* dst) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v.v));
-}
-#elif defined(__AVX512F__)
-inline void store_as(Vec v, at::BFloat16* dst) {
-  const __m512i b = _mm512_castps_si512(v.v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, lsb),
-                                                       _mm512_set1_epi32(0x7FFF)), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-}
-#endif
-
 at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& zeros, int64_t bits, int64_t group,
                             at::ScalarType dtype) {
