@@ -152,6 +152,29 @@ def test_capacity_about_twice_bf16():
     assert 2 * k.nbytes * 30 == 3 * bytes_per_block(SMOLLM2, 16, torch.float32, "int8")
 
 
+def resident_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_host_cache_is_zero_and_resident_only_where_written():
+    """A host cache is zeros whose pages are committed as blocks are written: 2 x 30 layers of
+    a 512 MiB budget cost (almost) nothing until tokens land in them."""
+    blocks = (512 << 20) // bytes_per_block(SMOLLM2, 16, torch.bfloat16)
+    before = resident_kib()
+    cache = allocate_kv_cache(SMOLLM2, blocks, 16, "cpu", torch.bfloat16)
+    assert resident_kib() - before < 16 << 10  # under 16 MiB of the 512
+    k, v = cache[7]
+    assert k.shape == v.shape == (blocks, 16, 3, 64) and k.dtype == torch.bfloat16
+    assert k.is_contiguous() and k.data_ptr() != v.data_ptr()
+    assert not k[::97].any() and not v[-1].any()  # reads see zeros (and commit nothing)
+    for layer_k, _ in cache:
+        layer_k[:blocks // 2] = 1.0
+    assert 100 << 10 < resident_kib() - before < 200 << 10  # half of the K halves: 128 MiB
+    assert k[blocks // 2 - 1].eq(1).all() and not k[blocks // 2].any()
+    del cache, k, v  # the tensors own their mappings: nothing dangles, the memory goes back
+
+
 def test_fp8_cache_is_uint8_rows_with_the_same_capacity_as_int8():
     k, v = allocate_kv_cache(SMOLLM2, 3, 16, "cpu", torch.bfloat16, "fp8")[0]
     assert k.dtype == v.dtype == torch.uint8 and k.shape == (3, 16, 3, 64 + SCALE_BYTES)

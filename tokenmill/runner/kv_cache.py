@@ -28,6 +28,9 @@ read by the triton and torch backends; the cpu backend reads int8 only).
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from tokenmill.attention.kv_quant import SCALE_BYTES
@@ -69,9 +72,22 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
                       kv_cache_dtype: str = "auto") -> list[KVCache]:
     row_shape, cache_dtype = kv_row_shape(cfg, dtype, kv_cache_dtype)
     shape = (num_blocks, block_size, *row_shape)
-    return [(torch.zeros(shape, dtype=cache_dtype, device=device),
-             torch.zeros(shape, dtype=cache_dtype, device=device))
+    return [(zeroed(shape, cache_dtype, device), zeroed(shape, cache_dtype, device))
             for _ in range(cfg.num_layers)]
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor. On the host its memory is an anonymous mapping: the kernel hands out zero
+    pages as they are first written, so the cache costs resident memory for the blocks that
+    have held tokens, not for the whole budget at start-up (nor the time to fill it)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # the tensor holds the mapping (frombuffer keeps its buffer alive); unmapped when freed
+    pages = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    return pages.view(dtype).view(shape)
 
 
 def available_memory_bytes(device: torch.device | str) -> int:
