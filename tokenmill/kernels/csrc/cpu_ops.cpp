@@ -30,6 +30,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -256,6 +257,37 @@ inline float lane_sum(Vec v) {  // lane 0 + lane 1 + ... in that order
   float s = 0.0f;
   for (int64_t i = 0; i < Vec::W; ++i) s += tmp[i];
   return s;
+}
+
+// ---- work shared out as it is done: `work(take)` runs once on each thread, and take(t) sets
+// t to the calling thread's next task (false: none left). Tasks are claimed in runs, each a
+// (threads * 2)-th of what is left, at least one: early runs are long, so a thread works on
+// neighbouring tasks (which share their inputs in cache), and the last ones are single tasks,
+// so the threads finish together even when tasks differ in cost -- a prompt's attention tiles
+// beside decode rows -- where a fixed split leaves one thread the expensive half. Called from
+// inside a parallel region, parallel_for runs the threads' work in turn and the first one
+// takes every task.
+template <typename F>
+void share_tasks(int64_t n, const F& work) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t cur = 0, last = 0;  // this thread's run
+      const auto take = [&](int64_t& task) {
+        if (cur == last) {
+          cur = next.load(std::memory_order_relaxed);
+          do {
+            if (cur >= n) return false;
+            last = cur + std::max<int64_t>(1, (n - cur) / (2 * threads));
+          } while (!next.compare_exchange_weak(cur, last, std::memory_order_relaxed));
+        }
+        task = cur++;
+        return true;
+      };
+      work(take);
+    }
+  });
 }
 
 // ---- paged attention ----------------------------------------------------------------------
@@ -622,11 +654,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       for (int64_t h = 0; h < num_kv_heads; ++h)
         items.push_back({r, h, t0, std::min(t0 + tile, qs[r + 1])});
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  share_tasks(num_items, [&](const auto& take) {  // items differ in cost
     const int64_t span = kChunk * block_size;  // keys of one softmax step
     std::vector<float> qbuf, acc, m, l, sc, tmp(head_dim), ks(span), vs(span);
     std::vector<uint16_t> qb, pb;  // kDot: the queries and probabilities in bf16
-    for (int64_t it = begin; it < end; ++it) {
+    for (int64_t it; take(it);) {
       const WorkItem& w = items[it];
       const int64_t nrows = (w.t1 - w.t0) * group;
       if constexpr (!kDot) qbuf.assign(nrows * head_dim, 0.0f);
