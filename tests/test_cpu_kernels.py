@@ -89,6 +89,39 @@ def test_silu_and_mul_matches_torch(dtype):
     close_in_dtype(silu_and_mul(x, ops), silu_and_mul(x))
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64, 130])
+def test_gate_up_with_silu_in_the_epilogue_is_the_two_step_result(rows):
+    """A gate/up layer whose blocks are interleaved (Linear.gate_in_epilogue) gives
+    silu_and_mul(gate_up(x)) bit for bit, for row counts across the kernel's row tiles and
+    scratch chunks; a bias, or halves that split a column block, keep the two steps."""
+    if not getattr(ops, "has_bf16_gemm", False):
+        pytest.skip("the packed bf16 GEMM needs AVX512-BF16")
+    from tokenmill.model.layers import Linear
+
+    g = torch.Generator().manual_seed(5)
+    inter, hidden = 96, 72
+    layer = Linear(hidden, 2 * inter)
+    layer.weight.data = (torch.randn(2 * inter, hidden, generator=g) / 8).to(torch.bfloat16)
+    layer.cpu_ops = ops
+    assert layer.pack_for_cpu(keep_dense=False, ops=ops)
+    x = (torch.randn(rows, hidden, generator=g) * 2).to(torch.bfloat16)
+    want = silu_and_mul(layer(x), ops)
+    assert layer.gate_in_epilogue() and layer.gated
+    got = layer(x)
+    assert got.shape == (rows, inter) and torch.equal(got, want)
+
+    odd = Linear(hidden, 2 * 40)  # 40 gate rows: the halves meet inside a block of 16
+    odd.weight.data = torch.randn(80, hidden, generator=g).to(torch.bfloat16)
+    odd.cpu_ops = ops
+    assert odd.pack_for_cpu(keep_dense=False, ops=ops) and not odd.gate_in_epilogue()
+    biased = Linear(hidden, 2 * inter, bias=True)
+    biased.weight.data = torch.randn(2 * inter, hidden, generator=g).to(torch.bfloat16)
+    biased.bias.data = torch.randn(2 * inter, generator=g).to(torch.bfloat16)
+    biased.cpu_ops = ops
+    assert biased.pack_for_cpu(keep_dense=False, ops=ops) and not biased.gate_in_epilogue()
+    assert not odd.gated and not biased.gated
+
+
 def test_float32_keeps_torch_ops():
     x = torch.randn(4, 2 * 8)
     assert torch.equal(silu_and_mul(x, ops), silu_and_mul(x))

@@ -49,6 +49,8 @@ class Linear(nn.Module):
         self.packed_f32: torch.Tensor | None = None
         # bf16 on a CPU with AVX512-BF16: the weight in the kernels' vdpbf16ps layout
         self.packed_bf16: torch.Tensor | None = None
+        # a gate/up layer whose packed blocks are interleaved: forward gives silu(gate) * up
+        self.gated = False
         self.cpu_ops = None  # set by the loader when the CPU kernels are in use
         # quantized weights (model/quant.py) replacing ``weight``, and the kernels that
         # multiply them (the CPU kernels whatever the attention backend; None: dequantize)
@@ -61,8 +63,8 @@ class Linear(nn.Module):
             return quant_linear(x, self.quant, self.bias, self.quant_ops)
         ops = self.cpu_ops
         if self.packed_bf16 is not None:
-            return self._on_packed(x.to(torch.bfloat16), ops.linear_bf16_packed,
-                                   self.packed_bf16)
+            kernel = ops.linear_bf16_packed_silu if self.gated else ops.linear_bf16_packed
+            return self._on_packed(x.to(torch.bfloat16), kernel, self.packed_bf16)
         if self.packed_f32 is not None:
             return self._on_packed(x, ops.linear_f32_packed, self.packed_f32)
         if (ops is not None and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16
@@ -144,6 +146,22 @@ class Linear(nn.Module):
             return False
         if not keep_dense:
             self.weight = None
+        return True
+
+
+    def gate_in_epilogue(self) -> bool:
+        """For a gate/up layer (gate rows, then as many up rows) packed for bf16: interleave
+        its column blocks (gate 0, up 0, gate 1, ...) so the kernels compute silu(gate) * up
+        in the GEMM's epilogue; ``forward`` then returns that, half the width, and the (T, 2I)
+        product never goes to memory. Not with a bias, or halves that split a block. Returns
+        whether it is done."""
+        p = self.packed_bf16
+        if (p is None or self.bias is not None or p.shape[0] % 2
+                or not hasattr(self.cpu_ops, "linear_bf16_packed_silu")):
+            return False
+        self.packed_bf16 = p.view(2, p.shape[0] // 2, *p.shape[1:]).transpose(0, 1) \
+            .reshape(p.shape).contiguous()
+        self.gated = True
         return True
 
 

@@ -59,7 +59,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.cpu_ops = None  # set by the loader when the CPU kernels are in use
 
+    def fuse_activation(self) -> bool:
+        """SiLU·mul into the gate/up GEMM's epilogue where the CPU kernels can (bf16)."""
+        return self.gate_up_proj.gate_in_epilogue()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.gated:
+            return self.down_proj(self.gate_up_proj(x))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.cpu_ops))
 
 

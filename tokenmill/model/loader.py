@@ -89,6 +89,9 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     for layer in module.modules():
         if hasattr(layer, "cpu_ops"):
             layer.cpu_ops = ops
+    for layer in module.modules():
+        if hasattr(layer, "fuse_activation"):
+            layer.fuse_activation()
     return LoadedModel(module, cfg, source, described)
 
 

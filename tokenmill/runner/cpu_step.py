@@ -73,4 +73,6 @@ def unsupported(model: torch.nn.Module) -> str | None:
         if any(lin.packed_bf16 is None for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
                                                     mlp.down_proj)):
             return "not every linear layer is a packed bf16 weight (dtype or quantization)"
+        if not mlp.gate_up_proj.gated:
+            return "gate/up takes no SiLU·mul in its epilogue (an MLP bias)"
     return None

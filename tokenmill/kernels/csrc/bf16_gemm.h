@@ -106,26 +106,17 @@ inline void gemm_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t
   }
 }
 
-at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
-                              const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
-                  packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
-                  packed.is_contiguous() && packed.size(2) == kPackCols &&
-                  packed.size(1) == (x.size(1) + 1) / 2,
-              "linear_bf16_packed: bf16 x (M, K), weight packed by pack_bf16_weight");
-  const int64_t rows = x.size(0), k_len = x.size(1);
-  const int64_t blocks = packed.size(0), n_out = blocks * kPackCols;
+// x W^T over a packed W, task by task: a pair of column blocks (a trailing odd block alone),
+// every row of x through a float32 scratch in chunks of kRowChunk; epilogue(row, acc, b0, nb)
+// then writes that row's outputs from acc, the float32 sums of blocks b0 .. b0 + nb - 1.
+template <typename Epilogue>
+void packed_gemm(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue) {
+  const int64_t rows = x.size(0), k_len = x.size(1), blocks = packed.size(0);
   const int64_t block_stride = packed.size(1) * kPackCols * 2;  // bf16 elements per block
-  at::Tensor out = at::empty({rows, n_out}, x.options());
-  if (rows == 0) return out;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const at::BFloat16* bp = bias && bias->defined() ? bias->data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t xs = x.stride(0);
-  // pairs of column blocks (32 features) per task; a trailing odd block alone
-  const int64_t tasks = (blocks + 1) / 2;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     constexpr int64_t kRowChunk = 64;  // rows per float32 scratch pass
     std::vector<float> scratch(kRowChunk * 32);
     for (int64_t t = begin; t < end; ++t) {
@@ -140,15 +131,56 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
         else
           gemm_rows<1>(xp + r0 * xs, xs, rr, k_len, w, block_stride, scratch.data(), 32,
                        r0 == 0);
-        for (int64_t r = 0; r < rr; ++r)
-          for (int b = 0; b < nb; ++b) {
-            const int64_t n = (b0 + b) * kPackCols;
-            Vec y = Vec::load(scratch.data() + r * 32 + b * kPackCols);
-            if (bp) y = Vec::add(y, Vec::load(bp + n));
-            store_as(y, op + (r0 + r) * n_out + n);
-          }
+        for (int64_t r = 0; r < rr; ++r) epilogue(r0 + r, scratch.data() + r * 32, b0, nb);
       }
     }
+  });
+}
+
+void check_packed(const at::Tensor& x, const at::Tensor& packed, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+                  packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.size(2) == kPackCols &&
+                  packed.size(1) == (x.size(1) + 1) / 2,
+              what, ": bf16 x (M, K), weight packed by pack_bf16_weight");
+}
+
+at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
+                              const c10::optional<at::Tensor>& bias) {
+  check_packed(x, packed, "linear_bf16_packed");
+  const int64_t n_out = packed.size(0) * kPackCols;
+  at::Tensor out = at::empty({x.size(0), n_out}, x.options());
+  if (x.size(0) == 0) return out;
+  const at::BFloat16* bp = bias && bias->defined() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  packed_gemm(x, packed, [&](int64_t r, const float* acc, int64_t b0, int nb) {
+    for (int b = 0; b < nb; ++b) {
+      const int64_t n = (b0 + b) * kPackCols;
+      Vec y = Vec::load(acc + b * kPackCols);
+      if (bp) y = Vec::add(y, Vec::load(bp + n));
+      store_as(y, op + r * n_out + n);
+    }
+  });
+  return out;
+}
+
+// silu(gate) * up straight from the products, for a gate/up weight whose column blocks are
+// interleaved before packing (gate 0, up 0, gate 1, up 1, ...: each task then holds matching
+// gate and up features); the (M, 2I) product never goes to memory. Rounded where
+// linear_bf16_packed then silu_and_mul round (gate and up, silu, the product: bf16), so the
+// result is theirs bit for bit.
+at::Tensor linear_bf16_packed_silu(const at::Tensor& x, const at::Tensor& packed,
+                                   const c10::optional<at::Tensor>& bias) {
+  check_packed(x, packed, "linear_bf16_packed_silu");
+  TORCH_CHECK(packed.size(0) % 2 == 0 && !(bias && bias->defined()),
+              "linear_bf16_packed_silu: interleaved gate/up blocks, no bias");
+  const int64_t n_out = packed.size(0) / 2 * kPackCols;
+  at::Tensor out = at::empty({x.size(0), n_out}, x.options());
+  if (x.size(0) == 0) return out;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  packed_gemm(x, packed, [&](int64_t r, const float* acc, int64_t b0, int) {
+    const Vec gate = round_bf16(Vec::load(acc)), up = round_bf16(Vec::load(acc + kPackCols));
+    store_as(Vec::mul(round_bf16({silu16(gate.v)}), up), op + r * n_out + b0 / 2 * kPackCols);
   });
   return out;
 }

@@ -374,6 +374,12 @@ inline __m512 exp_clamped16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), y);
 }
 
+// silu(g) = g / (1 + exp(-g)) on 16 lanes, as the scalar g / (1.0f + exp_clamped(-g))
+inline __m512 silu16(__m512 g) {
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                        exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
 inline float block_exp(float* sc, int64_t vis, int64_t block_size, float m) {
   const __m512 mv = _mm512_set1_ps(m);
   __m512 sum = _mm512_setzero_ps();
@@ -1174,13 +1180,8 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       load_row(xp + r * xs + n, u.data(), n);
       int64_t j = 0;
 #if defined(__AVX512F__)
-      for (; j + 16 <= n; j += 16) {
-        const __m512 gv = _mm512_loadu_ps(g.data() + j);
-        _mm512_storeu_ps(y.data() + j,
-                         _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                         exp_clamped16(_mm512_sub_ps(
-                                                             _mm512_setzero_ps(), gv)))));
-      }
+      for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(y.data() + j, silu16(_mm512_loadu_ps(g.data() + j)));
 #endif
       for (; j < n; ++j) y[j] = g[j] / (1.0f + exp_clamped(-g[j]));
       T* orow = op + r * n;
@@ -1231,6 +1232,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 weight in linear_bf16_packed's layout");
   m.def("linear_bf16_packed", &linear_bf16_packed,
         "bf16 linear over a packed weight, any number of rows (AVX512-BF16)", release());
+  m.def("linear_bf16_packed_silu", &linear_bf16_packed_silu,
+        "silu(gate) * up from a packed gate/up weight with interleaved column blocks",
+        release());
   m.attr("has_bf16_gemm") = true;
   py::class_<DecoderStack>(m, "DecoderStack",
                            "the decoder layers of a bf16 model, run in one call")

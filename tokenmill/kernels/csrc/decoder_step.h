@@ -9,8 +9,9 @@
 // Per layer, as LlamaDecoderLayer does it: RMSNorm (with the residual add from the second
 // layer on), the fused qkv projection, RoPE of the q and k heads in place, K/V stored at their
 // slots, paged attention (and the shared-prefix pass, merged in float32, when the step has
-// one), o_proj, RMSNorm with the residual, gate/up, SiLU·mul, down. Every linear is packed for
-// vdpbf16ps, so this exists only where bf16_gemm.h does. Included by cpu_ops.cpp after it.
+// one), o_proj, RMSNorm with the residual, gate/up with SiLU·mul in its epilogue, down. Every
+// linear is packed for vdpbf16ps, so this exists only where bf16_gemm.h does. Included by
+// cpu_ops.cpp after it.
 
 #pragma once
 
@@ -21,8 +22,9 @@ namespace {
 class DecoderStack {
  public:
   // Per layer, in this order (an empty tensor for a missing bias): input norm weight, packed
-  // qkv, qkv bias, packed o, o bias, post-attention norm weight, packed gate/up, gate/up
-  // bias, packed down, down bias.
+  // qkv, qkv bias, packed o, o bias, post-attention norm weight, packed gate/up (column
+  // blocks interleaved, see linear_bf16_packed_silu), gate/up bias (none), packed down, down
+  // bias.
   static constexpr size_t kPerLayer = 10;
 
   DecoderStack(const std::vector<at::Tensor>& weights, int64_t heads, int64_t kv_heads,
@@ -92,8 +94,8 @@ class DecoderStack {
       const at::Tensor o = linear_bf16_packed(out.view({n, heads_ * head_dim_}), l.o, l.o_bias);
       std::vector<at::Tensor> r = rms_norm(o, residual, l.post_norm, eps_);
       residual = r[1];
-      const at::Tensor gate_up = linear_bf16_packed(r[0], l.gate_up, l.gate_up_bias);
-      h = linear_bf16_packed(silu_and_mul(gate_up), l.down, l.down_bias);
+      h = linear_bf16_packed(linear_bf16_packed_silu(r[0], l.gate_up, l.gate_up_bias), l.down,
+                             l.down_bias);
     }
     return {h, residual};
   }
