@@ -109,8 +109,9 @@ inline void gemm_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t
 // x W^T over a packed W, task by task: a pair of column blocks (a trailing odd block alone),
 // every row of x through a float32 scratch in chunks of kRowChunk; epilogue(row, acc, b0, nb)
 // then writes that row's outputs from acc, the float32 sums of blocks b0 .. b0 + nb - 1.
-template <typename Epilogue>
-void packed_gemm(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue) {
+template <typename Epilogue, typename OutAt>
+void packed_gemm(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue,
+                 const OutAt& out_at) {
   const int64_t rows = x.size(0), k_len = x.size(1), blocks = packed.size(0);
   const int64_t block_stride = packed.size(1) * kPackCols * 2;  // bf16 elements per block
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -125,6 +126,8 @@ void packed_gemm(const at::Tensor& x, const at::Tensor& packed, const Epilogue& 
       const uint16_t* w = wp + b0 * block_stride;
       for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
         const int64_t rr = std::min(kRowChunk, rows - r0);
+        // the chunk's output lines, fetched for writing while the products are computed
+        for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
         if (nb == 2)
           gemm_rows<2>(xp + r0 * xs, xs, rr, k_len, w, block_stride, scratch.data(), 32,
                        r0 == 0);
@@ -160,6 +163,8 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
       if (bp) y = Vec::add(y, Vec::load(bp + n));
       store_as(y, op + r * n_out + n);
     }
+  }, [&](int64_t r, int64_t b0) {
+    return reinterpret_cast<const char*>(op + r * n_out + b0 * kPackCols);
   });
   return out;
 }
@@ -181,6 +186,8 @@ at::Tensor linear_bf16_packed_silu(const at::Tensor& x, const at::Tensor& packed
   packed_gemm(x, packed, [&](int64_t r, const float* acc, int64_t b0, int) {
     const Vec gate = round_bf16(Vec::load(acc)), up = round_bf16(Vec::load(acc + kPackCols));
     store_as(Vec::mul(round_bf16({silu16(gate.v)}), up), op + r * n_out + b0 / 2 * kPackCols);
+  }, [&](int64_t r, int64_t b0) {
+    return reinterpret_cast<const char*>(op + r * n_out + b0 / 2 * kPackCols);
   });
   return out;
 }
