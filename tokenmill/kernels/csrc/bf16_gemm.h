@@ -109,6 +109,8 @@ inline void gemm_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t
 // x W^T over a packed W, task by task: a pair of column blocks (a trailing odd block alone),
 // every row of x through a float32 scratch in chunks of kRowChunk; epilogue(row, acc, b0, nb)
 // then writes that row's outputs from acc, the float32 sums of blocks b0 .. b0 + nb - 1.
+// out_at(row, b0) is where they go: a chunk's lines are fetched for writing before its
+// products (1-3% at 64-1024 rows: each row's outputs of a task are one line of their own).
 template <typename Epilogue, typename OutAt>
 void packed_gemm(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue,
                  const OutAt& out_at) {
