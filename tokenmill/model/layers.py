@@ -148,7 +148,6 @@ class Linear(nn.Module):
             self.weight = None
         return True
 
-
     def gate_in_epilogue(self) -> bool:
         """For a gate/up layer (gate rows, then as many up rows) packed for bf16: interleave
         its column blocks (gate 0, up 0, gate 1, ...) so the kernels compute silu(gate) * up

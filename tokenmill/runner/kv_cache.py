@@ -82,7 +82,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     have held tokens, not for the whole budget at start-up (nor the time to fill it)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # the tensor holds the mapping (frombuffer keeps its buffer alive); unmapped when freed
