@@ -34,6 +34,8 @@ CASES = {
     "prefill 4 x 128": dict(shapes=[(0, 128)] * 4),
     "prefill 1 x 1024": dict(shapes=[(0, 1024)]),
     "chunk 64 after 1024 cached x 8": dict(shapes=[(1024, 64)] * 8, shared_blocks=64),
+    # a prompt chunk beside decode rows: the work items differ in cost (share_tasks)
+    "prefill 512 + decode 31 x ctx 256": dict(shapes=[(0, 512)] + [(255, 1)] * 31),
 }
 
 
