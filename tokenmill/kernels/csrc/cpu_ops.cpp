@@ -81,7 +81,7 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-template <typename T>
+template <typename T>  // one by one; write_row (below Vec) takes whole registers first
 inline void store_row(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
@@ -243,12 +243,12 @@ inline Vec round_as(Vec v) {
   }
 }
 
-// n float32 values written as T, whole registers then one by one
+// n float32 values written as T: whole registers through store_as, the rest by store_row
 template <typename T>
 inline void write_row(const float* src, T* dst, int64_t n) {
   int64_t i = 0;
   for (; i + Vec::W <= n; i += Vec::W) store_as(Vec::load(src + i), dst + i);
-  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+  store_row(src + i, dst + i, n - i);
 }
 
 inline float lane_sum(Vec v) {  // lane 0 + lane 1 + ... in that order
