@@ -325,8 +325,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser, limits=_limits(args),
         public_metrics=args.public_metrics, step_timeout=args.step_timeout)
-    # Loading makes ~200k long-lived objects; collecting them as they pile up took ~1 s of
-    # start-up (eight full collections), and none of them is garbage.
+    # Loading makes ~190k long-lived objects; collecting as they piled up took ~1 s of start-up
+    # (eight full collections, which found a few hundred objects of garbage among them).
     gc.disable()
     try:
         engine = _make_llm(args).engine
