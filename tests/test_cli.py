@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -38,12 +39,33 @@ def test_generate_greedy():
     assert "KV cache 1008 tokens" in out.stderr
 
 
+def _generated_tokens(stderr: str) -> int:
+    return int(re.search(r"^tokenmill: (\d+) tokens in ", stderr, re.M).group(1))
+
+
+def test_generate_min_tokens_holds_back_the_end():
+    cmd = [sys.executable, "-m", "tokenmill.cli", "generate", "--chat", "--prompt",
+           "What is 2 + 2? Answer with the number only.", "--max-tokens", "40",
+           "--kv-cache-memory", "64blocks"]
+    alone = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    held = subprocess.run(cmd + ["--min-tokens", "30"], capture_output=True, text=True,
+                          timeout=300)
+    assert alone.returncode == 0 and held.returncode == 0, alone.stderr + held.stderr
+    assert _generated_tokens(alone.stderr) < 30  # the model ends early on its own...
+    assert _generated_tokens(held.stderr) >= 30  # ...and not before --min-tokens
+    bad = subprocess.run(cmd + ["--min-tokens", "41"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "min_tokens must not exceed max_tokens" in bad.stderr
+
+
+def _chat(*args: str) -> pexpect.spawn:
+    return pexpect.spawn(sys.executable, ["-m", "tokenmill.cli", "chat", "--kv-cache-memory",
+                                          "256blocks", *args],
+                         encoding="utf-8", timeout=180, dimensions=(40, 120))
+
+
 def test_interactive_chat_streams_and_keeps_conversation():
-    # room for a long reply: the one interrupted below must still be streaming when Ctrl-C
-    # lands (a short one can end before a busy test process has read its first word)
-    child = pexpect.spawn(sys.executable, ["-m", "tokenmill.cli", "chat", "--max-tokens", "1000",
-                                           "--kv-cache-memory", "256blocks"],
-                          encoding="utf-8", timeout=180, dimensions=(40, 120))
+    child = _chat()
     try:
         child.expect(">>> ")
         child.sendline("My name is Ada. What is the capital of France?")
@@ -56,12 +78,29 @@ def test_interactive_chat_streams_and_keeps_conversation():
                      r"\[assistant\] [^\r\n]*Paris[^\r\n]*\s+\[user\] And of Italy\?\s+"
                      r"\[assistant\] \S")
         child.expect(">>> ")
+        child.sendeof()  # Ctrl-D ends the session cleanly
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_interactive_chat_ctrl_c_stops_the_reply_not_the_session():
+    # --ignore-eos: the reply cannot end on its own before Ctrl-C lands, however slow the test
+    # process is to read it
+    child = _chat("--ignore-eos", "--max-tokens", "3000")
+    try:
+        child.expect(">>> ")
         child.sendline("List the numbers from 1 to 300, one per line.")
         child.expect("per line\\.\r\n")  # the echo of the input line
         child.expect(r"\w")  # the reply has begun streaming
         child.sendintr()  # Ctrl-C stops this reply, not the session
         child.expect(r"\[stopped\]\r\n>>> ")
-        child.sendeof()  # Ctrl-D ends the session cleanly
+        child.sendline("/history")  # what was shown of the stopped reply is kept
+        child.expect(r"\[user\] List the numbers from 1 to 300, one per line\.\s+"
+                     r"\[assistant\] \S[^\r\n]*")
+        child.expect(">>> ")
+        child.sendeof()
         child.expect(pexpect.EOF)
     finally:
         child.close()

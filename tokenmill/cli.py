@@ -124,6 +124,10 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="end-of-sequence is not sampled before this many tokens (default: 0)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-sequence, up to --max-tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
@@ -272,7 +276,8 @@ def _make_llm(args: argparse.Namespace):
 def _sampling_params(args: argparse.Namespace):
     from tokenmill.params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+    return SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                          ignore_eos=args.ignore_eos, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, seed=args.sampling_seed)
 
