@@ -2,8 +2,9 @@
 
 Both call the same kernels in the same order, so every logit must be equal bit for bit, for
 every kind of batch: prompts, chunks after a cached prefix, decode rows, ragged lengths, GQA,
-q/k/v biases, the shared-prefix (cascade) pass and an int8 KV cache. Tiny random bf16 models
-of head size 32 (the kernels' smallest) and blocks of 16 tokens.
+q/k/v biases, the shared-prefix (cascade) pass and an int8 KV cache; bf16 (on AVX512-BF16) and
+float32 (AVX2 or AVX512). Tiny random models of head size 32 (the kernels' smallest) and blocks
+of 16 tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from tokenmill.runner.batch import Chunk, build_flat_batch
 from tokenmill.runner.model_runner import ModelRunner
 
 ops = cpu_kernels.load()
-FUSED = ops is not None and hasattr(ops, "DecoderStack")
-needs_fused = pytest.mark.skipif(not FUSED, reason="needs the CPU kernels' bf16 GEMM "
-                                                   "(AVX512-BF16)")
+FUSED = {"bfloat16": ops is not None and getattr(ops, "has_bf16_gemm", False),
+         "float32": ops is not None and getattr(ops, "f32_pack_cols", 0) > 0}
+DTYPES = [pytest.param(d, marks=pytest.mark.skipif(
+    not FUSED[d], reason=f"the CPU kernels' {d} GEMM is not built on this CPU"))
+    for d in FUSED]
 BLOCK = 16
 SIZES = dict(hidden_size=128, intermediate_size=96)  # 4 heads of 32
 
@@ -38,8 +41,8 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
-def bf16_runner(path: str, kv_cache_dtype: str = "auto") -> ModelRunner:
-    return ModelRunner(load_model(path, "cpu", dtype="bfloat16"), num_blocks=64,
+def make_runner(path: str, dtype: str, kv_cache_dtype: str = "auto") -> ModelRunner:
+    return ModelRunner(load_model(path, "cpu", dtype=dtype), num_blocks=64,
                        block_size=BLOCK, kv_cache_dtype=kv_cache_dtype)
 
 
@@ -47,13 +50,13 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@needs_fused
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "auto"), ("smollm2", "auto"),
                                                  ("qwen2", "auto"), ("llama", "int8")])
-def test_fused_step_equals_layer_by_layer(model_dirs, arch, kv_cache_dtype):
+def test_fused_step_equals_layer_by_layer(model_dirs, arch, kv_cache_dtype, dtype):
     # two runners, each with its own cache: the fused one reads only the K/V it stored itself
-    eager = bf16_runner(model_dirs[arch], kv_cache_dtype)
-    runner = bf16_runner(model_dirs[arch], kv_cache_dtype)
+    eager = make_runner(model_dirs[arch], dtype, kv_cache_dtype)
+    runner = make_runner(model_dirs[arch], dtype, kv_cache_dtype)
     assert runner.fuse_cpu_step() == "fused"
     assert eager.model.model.fused_layers is None
     a, b = ids(40, 1), ids(23, 2)
@@ -77,11 +80,11 @@ def test_fused_step_equals_layer_by_layer(model_dirs, arch, kv_cache_dtype):
         assert torch.equal(want, got), f"step {i}: max diff {(want - got).abs().max()}"
 
 
-@needs_fused
-def test_fused_step_generates_what_the_eager_path_does(model_dirs):
-    eager = LLM(model_dirs["llama"], dtype="bfloat16", num_blocks=64, block_size=BLOCK,
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_step_generates_what_the_eager_path_does(model_dirs, dtype):
+    eager = LLM(model_dirs["llama"], dtype=dtype, num_blocks=64, block_size=BLOCK,
                 enforce_eager=True)
-    fused = LLM(model_dirs["llama"], dtype="bfloat16", num_blocks=64, block_size=BLOCK)
+    fused = LLM(model_dirs["llama"], dtype=dtype, num_blocks=64, block_size=BLOCK)
     assert eager.engine.info.cpu_step == "eager: --enforce-eager"
     assert fused.engine.info.cpu_step == "fused"
     from tokenmill import SamplingParams
@@ -93,17 +96,22 @@ def test_fused_step_generates_what_the_eager_path_does(model_dirs):
 
 
 def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
-    """float32, and Qwen3's per-head q/k norms, keep the layer-by-layer path (and say why)."""
-    fp32 = ModelRunner(load_model(model_dirs["llama"], "cpu", dtype="float32"), num_blocks=64,
-                       block_size=BLOCK)
-    qwen3 = bf16_runner(model_dirs["qwen3"])
-    kernels_reason = "eager: needs the CPU kernels' attention and bf16 GEMM (AVX512-BF16)"
-    assert fp32.fuse_cpu_step() == (
-        "eager: not every linear layer is a packed bf16 weight (dtype or quantization)"
-        if FUSED else kernels_reason)
+    """Qwen3's per-head q/k norms, float16, and quantized linears keep the layer-by-layer path
+    (and say why)."""
+    kernels_reason = "eager: needs the CPU kernels' attention and GEMM (AVX2 or AVX512)"
+    qwen3 = make_runner(model_dirs["qwen3"], "float32")
+    fp16 = make_runner(model_dirs["llama"], "float16")
+    int8 = ModelRunner(load_model(model_dirs["llama"], "cpu", dtype="float32",
+                                  quantization="int8"), num_blocks=64, block_size=BLOCK)
+    stack = ops is not None and hasattr(ops, "DecoderStack")
     assert qwen3.fuse_cpu_step() == ("eager: per-head q/k norms (Qwen3) run eagerly"
-                                     if FUSED else kernels_reason)
-    for runner in (fp32, qwen3):
+                                     if stack else kernels_reason)
+    assert fp16.fuse_cpu_step() == ("eager: torch.float16 runs eagerly"
+                                    if stack else kernels_reason)
+    assert int8.fuse_cpu_step() == (
+        "eager: not every linear layer is a packed float32 weight (quantization)"
+        if stack else kernels_reason)
+    for runner in (qwen3, fp16, int8):
         assert runner.model.model.fused_layers is None
         logits = runner.forward([Chunk(ids(20, 5), 0, [1, 2])])
         assert logits.shape == (1, 96) and torch.isfinite(logits).all()

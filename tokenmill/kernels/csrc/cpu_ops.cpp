@@ -14,7 +14,7 @@
 //
 // linear_bf16_rows: a bf16 linear layer for one to four rows of input (AVX512-BF16).
 // linear_bf16_packed, linear_f32_packed: linear layers over weights packed for them
-// (bf16_gemm.h, f32_gemm.h); DecoderStack: a bf16 model's decoder layers in one call.
+// (bf16_gemm.h, f32_gemm.h); DecoderStack: a model's decoder layers in one call.
 // rms_norm, rope_, silu_and_mul: a decoder layer's elementwise steps, fused, for bf16/fp16.
 //
 // Vector code uses AVX512 or AVX2 intrinsics when the build machine has them (the build is
@@ -1236,11 +1236,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(gate) * up from a packed gate/up weight with interleaved column blocks",
         release());
   m.attr("has_bf16_gemm") = true;
-  py::class_<DecoderStack>(m, "DecoderStack",
-                           "the decoder layers of a bf16 model, run in one call")
-      .def(py::init<const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, double, double,
-                    int64_t, int64_t>())
-      .def("forward", &DecoderStack::forward, release());
 #else
   m.attr("has_bf16_gemm") = false;
 #endif
@@ -1251,5 +1246,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("f32_pack_cols") = Vec::W;
 #else
   m.attr("f32_pack_cols") = 0;
+#endif
+#if defined(TOKENMILL_HAS_BF16_GEMM) || defined(TOKENMILL_HAS_F32_GEMM)
+  py::class_<DecoderStack>(m, "DecoderStack",
+                           "the decoder layers of a bf16 or float32 model, run in one call")
+      .def(py::init<const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, double, double,
+                    int64_t, int64_t>())
+      .def("forward", &DecoderStack::forward, release());
 #endif
 }

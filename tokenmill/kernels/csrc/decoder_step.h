@@ -1,4 +1,4 @@
-// The decoder layers of a bf16 Llama-family model in one call (runner/cpu_step.py).
+// The decoder layers of a Llama-family model in one call (runner/cpu_step.py), bf16 or float32.
 //
 // Run from Python, a layer is ~10 kernel calls wrapped in ~40 small tensor operations and
 // module calls: ~100 us of interpreter time per layer, 3 ms of a 13 ms single-sequence decode
@@ -9,22 +9,27 @@
 // Per layer, as LlamaDecoderLayer does it: RMSNorm (with the residual add from the second
 // layer on), the fused qkv projection, RoPE of the q and k heads in place, K/V stored at their
 // slots, paged attention (and the shared-prefix pass, merged in float32, when the step has
-// one), o_proj, RMSNorm with the residual, gate/up with SiLU·mul in its epilogue, down. Every
-// linear is packed for vdpbf16ps, so this exists only where bf16_gemm.h does. Included by
-// cpu_ops.cpp after it.
+// one), o_proj, RMSNorm with the residual, gate/up with SiLU·mul in its epilogue, down, every
+// linear packed for vdpbf16ps (bf16_gemm.h).
+//
+// float32 (the dtype `auto` picks on a CPU without native bf16) runs the float32 eager path's
+// operations instead, op for op: PyTorch's rms_norm, residual adds, RoPE as multiplies, a
+// subtraction, an addition and a cat, and silu(gate) * up, with every linear on the packed
+// float32 GEMM (f32_gemm.h). Those ops are what keep float32 token-exact against transformers,
+// so they are kept, only called from here. Included by cpu_ops.cpp after both GEMM headers.
 
 #pragma once
 
-#ifdef TOKENMILL_HAS_BF16_GEMM
+#if defined(TOKENMILL_HAS_BF16_GEMM) || defined(TOKENMILL_HAS_F32_GEMM)
 
 namespace {
 
 class DecoderStack {
  public:
   // Per layer, in this order (an empty tensor for a missing bias): input norm weight, packed
-  // qkv, qkv bias, packed o, o bias, post-attention norm weight, packed gate/up (column
-  // blocks interleaved, see linear_bf16_packed_silu), gate/up bias (none), packed down, down
-  // bias.
+  // qkv, qkv bias, packed o, o bias, post-attention norm weight, packed gate/up (bf16: column
+  // blocks interleaved, see linear_bf16_packed_silu, and no bias), gate/up bias, packed down,
+  // down bias. All weights bf16 (packed by pack_bf16_weight) or all float32 (pack_f32_weight).
   static constexpr size_t kPerLayer = 10;
 
   DecoderStack(const std::vector<at::Tensor>& weights, int64_t heads, int64_t kv_heads,
@@ -33,6 +38,13 @@ class DecoderStack {
         tile_(tile), cascade_tile_(cascade_tile) {
     TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
                 "DecoderStack: ", kPerLayer, " tensors per layer");
+    dtype_ = weights[1].scalar_type();
+#ifndef TOKENMILL_HAS_BF16_GEMM
+    TORCH_CHECK(dtype_ == at::kFloat, "DecoderStack: bf16 weights need AVX512-BF16");
+#endif
+#ifndef TOKENMILL_HAS_F32_GEMM
+    TORCH_CHECK(dtype_ != at::kFloat, "DecoderStack: float32 weights need AVX2 or AVX512");
+#endif
     auto bias = [](const at::Tensor& t) {
       return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
     };
@@ -43,7 +55,7 @@ class DecoderStack {
     }
   }
 
-  // h: the embeddings (T, hidden) bf16. cos/sin: float32 (T, head_dim / 2). The caches: one
+  // h: the embeddings (T, hidden) in the weights' dtype. cos/sin: float32 (T, head_dim / 2). The caches: one
   // per layer. The attention arguments as paged_attention takes them for the main pass;
   // `shared`: empty, or the shared-prefix pass's (block tables, query starts, key start
   // blocks, key limits, rows). Returns (h, residual) after the last layer, before the final
@@ -58,8 +70,12 @@ class DecoderStack {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "DecoderStack: one K and one V cache per layer");
     TORCH_CHECK(shared.empty() || shared.size() == 5, "DecoderStack: shared pass arguments");
-    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16,
-                "DecoderStack: bf16 hidden states (T, hidden)");
+    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == dtype_,
+                "DecoderStack: hidden states (T, hidden) in the weights' dtype");
+    if (dtype_ == at::kFloat)
+      return forward_f32(h, cos, sin, k_caches, v_caches, slots, block_tables, query_start,
+                         key_start, key_limit, no_rows, shared);
+#ifdef TOKENMILL_HAS_BF16_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
     const at::Tensor no_residual = at::empty({0}, h.options());
     const auto out_options = h.options().dtype(shared.empty() ? at::kBFloat16 : at::kFloat);
@@ -98,9 +114,61 @@ class DecoderStack {
                              l.down_bias);
     }
     return {h, residual};
+#else
+    TORCH_CHECK(false, "DecoderStack: unreachable");
+#endif
   }
 
  private:
+  // float32, as the eager path runs it (model/llama.py, model/layers.py, CpuPagedBackend)
+  std::vector<at::Tensor> forward_f32(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                                      const std::vector<at::Tensor>& k_caches,
+                                      const std::vector<at::Tensor>& v_caches,
+                                      const at::Tensor& slots, const at::Tensor& block_tables,
+                                      const at::Tensor& query_start, const at::Tensor& key_start,
+                                      const at::Tensor& key_limit, const at::Tensor& no_rows,
+                                      const std::vector<at::Tensor>& shared) const {
+#ifdef TOKENMILL_HAS_F32_GEMM
+    const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
+    const int64_t hidden = h.size(1);
+    const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);  // (T, 1, head_dim / 2)
+    auto norm = [&](const at::Tensor& x, const at::Tensor& w) {
+      return at::rms_norm(x, {hidden}, w, eps_);
+    };
+    at::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      residual = residual.defined() ? h + residual : h;
+      h = norm(residual, l.in_norm);
+      const at::Tensor qkv = linear_f32_packed(h, l.qkv, l.qkv_bias);
+      const auto halves = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_})
+                              .chunk(2, -1);
+      const at::Tensor& x1 = halves[0];
+      const at::Tensor& x2 = halves[1];
+      const at::Tensor qk_heads = at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1);
+      const at::Tensor q = qk_heads.narrow(1, 0, heads_);
+      const at::Tensor k = qk_heads.narrow(1, heads_, kv_heads_);
+      const at::Tensor v =
+          qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_});
+      store_kv(k, v, k_caches[i], v_caches[i], slots);
+      at::Tensor out = at::empty({n, heads_, head_dim_}, h.options());
+      const at::Tensor lse = at::empty({n, heads_}, h.options());
+      paged_attention(q, k_caches[i], v_caches[i], block_tables, query_start, key_start,
+                      key_limit, no_rows, out, lse, scale_, false, tile_);
+      if (!shared.empty())
+        paged_attention(q, k_caches[i], v_caches[i], shared[0], shared[1], shared[2],
+                        shared[3], shared[4], out, lse, scale_, true, cascade_tile_);
+      residual = linear_f32_packed(out.view({n, heads_ * head_dim_}), l.o, l.o_bias) + residual;
+      const auto gate_up = linear_f32_packed(norm(residual, l.post_norm), l.gate_up,
+                                             l.gate_up_bias).chunk(2, -1);
+      h = linear_f32_packed(at::silu(gate_up[0]) * gate_up[1], l.down, l.down_bias);
+    }
+    return {h, residual};
+#else
+    TORCH_CHECK(false, "DecoderStack: float32 weights need AVX2 or AVX512");
+#endif
+  }
+
   struct Layer {
     at::Tensor in_norm, qkv;
     c10::optional<at::Tensor> qkv_bias;
@@ -112,6 +180,7 @@ class DecoderStack {
     c10::optional<at::Tensor> down_bias;
   };
   std::vector<Layer> layers_;
+  at::ScalarType dtype_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   int64_t tile_, cascade_tile_;
