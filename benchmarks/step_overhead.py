@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--sampling", choices=["greedy", "mixed"], default="mixed")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="the layer-by-layer path instead of the fused CPU step")
     args = ap.parse_args()
 
     import torch
@@ -67,7 +69,7 @@ def main() -> None:
     from tokenmill import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, num_blocks=1024,
-              max_num_seqs=max(64, args.num_seqs))
+              max_num_seqs=max(64, args.num_seqs), enforce_eager=args.enforce_eager)
     engine = llm.engine
     runner = engine.runner
     timed = TimedModule(runner.model)
@@ -100,7 +102,8 @@ def main() -> None:
     host = [t - f for t, f in zip(totals, forwards)]
     result = {
         **machine(), "threads": torch.get_num_threads(), "model": args.model,
-        "dtype": runner.config.dtype, "num_seqs": args.num_seqs,
+        "dtype": runner.config.dtype, "cpu_step": getattr(engine.info, "cpu_step", None),
+        "num_seqs": args.num_seqs,
         "sampling": args.sampling, "steps": args.steps,
         "step_ms": ms(totals), "forward_ms": ms(forwards),
         "host_ms": ms(host), "scheduler_ms": ms(scheds),
