@@ -55,11 +55,11 @@ class DecoderStack {
     }
   }
 
-  // h: the embeddings (T, hidden) in the weights' dtype. cos/sin: float32 (T, head_dim / 2). The caches: one
-  // per layer. The attention arguments as paged_attention takes them for the main pass;
-  // `shared`: empty, or the shared-prefix pass's (block tables, query starts, key start
-  // blocks, key limits, rows). Returns (h, residual) after the last layer, before the final
-  // norm.
+  // h: the embeddings (T, hidden) in the weights' dtype. cos/sin: float32 (T, head_dim / 2).
+  // The caches: one per layer. The attention arguments as paged_attention takes them for the
+  // main pass; `shared`: empty, or the shared-prefix pass's (block tables, query starts, key
+  // start blocks, key limits, rows). Returns (h, residual) after the last layer, before the
+  // final norm.
   std::vector<at::Tensor> forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                                   const std::vector<at::Tensor>& k_caches,
                                   const std::vector<at::Tensor>& v_caches,
@@ -72,13 +72,38 @@ class DecoderStack {
     TORCH_CHECK(shared.empty() || shared.size() == 5, "DecoderStack: shared pass arguments");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == dtype_,
                 "DecoderStack: hidden states (T, hidden) in the weights' dtype");
-    if (dtype_ == at::kFloat)
-      return forward_f32(h, cos, sin, k_caches, v_caches, slots, block_tables, query_start,
-                         key_start, key_limit, no_rows, shared);
+    const Step step{cos, sin, k_caches, v_caches, slots, block_tables, query_start,
+                    key_start, key_limit, no_rows, shared};
+    return dtype_ == at::kFloat ? forward_f32(std::move(h), step)
+                                : forward_bf16(std::move(h), step);
+  }
+
+ private:
+  struct Step {  // forward's arguments after h
+    const at::Tensor &cos, &sin;
+    const std::vector<at::Tensor>&k_caches, &v_caches;
+    const at::Tensor &slots, &block_tables, &query_start, &key_start, &key_limit, &no_rows;
+    const std::vector<at::Tensor>& shared;
+  };
+
+  // Layer i's new K/V stored at their slots, then its attention into `out`: the main pass and,
+  // when the step has one, the shared-prefix pass merged into it.
+  void attend(size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              at::Tensor& out, const Step& a) const {
+    store_kv(k, v, a.k_caches[i], a.v_caches[i], a.slots);
+    const at::Tensor lse = at::empty({q.size(0), heads_}, q.options().dtype(at::kFloat));
+    paged_attention(q, a.k_caches[i], a.v_caches[i], a.block_tables, a.query_start,
+                    a.key_start, a.key_limit, a.no_rows, out, lse, scale_, false, tile_);
+    if (!a.shared.empty())
+      paged_attention(q, a.k_caches[i], a.v_caches[i], a.shared[0], a.shared[1], a.shared[2],
+                      a.shared[3], a.shared[4], out, lse, scale_, true, cascade_tile_);
+  }
+
+  std::vector<at::Tensor> forward_bf16(at::Tensor h, const Step& a) const {
 #ifdef TOKENMILL_HAS_BF16_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
     const at::Tensor no_residual = at::empty({0}, h.options());
-    const auto out_options = h.options().dtype(shared.empty() ? at::kBFloat16 : at::kFloat);
+    const auto out_options = h.options().dtype(a.shared.empty() ? at::kBFloat16 : at::kFloat);
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
@@ -92,21 +117,11 @@ class DecoderStack {
       }
       const at::Tensor qkv = linear_bf16_packed(h, l.qkv, l.qkv_bias);
       const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
-      rope_(qk_heads, cos, sin);
-      const at::Tensor q = qk_heads.narrow(1, 0, heads_);
-      const at::Tensor k = qk_heads.narrow(1, heads_, kv_heads_);
-      const at::Tensor v =
-          qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_});
-      store_kv(k, v, k_caches[i], v_caches[i], slots);
+      rope_(qk_heads, a.cos, a.sin);
       at::Tensor out = at::empty({n, heads_, head_dim_}, out_options);
-      const at::Tensor lse = at::empty({n, heads_}, h.options().dtype(at::kFloat));
-      paged_attention(q, k_caches[i], v_caches[i], block_tables, query_start, key_start,
-                      key_limit, no_rows, out, lse, scale_, false, tile_);
-      if (!shared.empty()) {
-        paged_attention(q, k_caches[i], v_caches[i], shared[0], shared[1], shared[2],
-                        shared[3], shared[4], out, lse, scale_, true, cascade_tile_);
-        out = out.to(at::kBFloat16);
-      }
+      attend(i, qk_heads.narrow(1, 0, heads_), qk_heads.narrow(1, heads_, kv_heads_),
+             qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}), out, a);
+      if (!a.shared.empty()) out = out.to(at::kBFloat16);
       const at::Tensor o = linear_bf16_packed(out.view({n, heads_ * head_dim_}), l.o, l.o_bias);
       std::vector<at::Tensor> r = rms_norm(o, residual, l.post_norm, eps_);
       residual = r[1];
@@ -115,23 +130,16 @@ class DecoderStack {
     }
     return {h, residual};
 #else
-    TORCH_CHECK(false, "DecoderStack: unreachable");
+    TORCH_CHECK(false, "DecoderStack: bf16 weights need AVX512-BF16");
 #endif
   }
 
- private:
   // float32, as the eager path runs it (model/llama.py, model/layers.py, CpuPagedBackend)
-  std::vector<at::Tensor> forward_f32(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
-                                      const std::vector<at::Tensor>& k_caches,
-                                      const std::vector<at::Tensor>& v_caches,
-                                      const at::Tensor& slots, const at::Tensor& block_tables,
-                                      const at::Tensor& query_start, const at::Tensor& key_start,
-                                      const at::Tensor& key_limit, const at::Tensor& no_rows,
-                                      const std::vector<at::Tensor>& shared) const {
+  std::vector<at::Tensor> forward_f32(at::Tensor h, const Step& a) const {
 #ifdef TOKENMILL_HAS_F32_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
     const int64_t hidden = h.size(1);
-    const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);  // (T, 1, head_dim / 2)
+    const at::Tensor c = a.cos.unsqueeze(1), s = a.sin.unsqueeze(1);  // (T, 1, head_dim / 2)
     auto norm = [&](const at::Tensor& x, const at::Tensor& w) {
       return at::rms_norm(x, {hidden}, w, eps_);
     };
@@ -146,18 +154,9 @@ class DecoderStack {
       const at::Tensor& x1 = halves[0];
       const at::Tensor& x2 = halves[1];
       const at::Tensor qk_heads = at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1);
-      const at::Tensor q = qk_heads.narrow(1, 0, heads_);
-      const at::Tensor k = qk_heads.narrow(1, heads_, kv_heads_);
-      const at::Tensor v =
-          qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_});
-      store_kv(k, v, k_caches[i], v_caches[i], slots);
       at::Tensor out = at::empty({n, heads_, head_dim_}, h.options());
-      const at::Tensor lse = at::empty({n, heads_}, h.options());
-      paged_attention(q, k_caches[i], v_caches[i], block_tables, query_start, key_start,
-                      key_limit, no_rows, out, lse, scale_, false, tile_);
-      if (!shared.empty())
-        paged_attention(q, k_caches[i], v_caches[i], shared[0], shared[1], shared[2],
-                        shared[3], shared[4], out, lse, scale_, true, cascade_tile_);
+      attend(i, qk_heads.narrow(1, 0, heads_), qk_heads.narrow(1, heads_, kv_heads_),
+             qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}), out, a);
       residual = linear_f32_packed(out.view({n, heads_ * head_dim_}), l.o, l.o_bias) + residual;
       const auto gate_up = linear_f32_packed(norm(residual, l.post_norm), l.gate_up,
                                              l.gate_up_bias).chunk(2, -1);
