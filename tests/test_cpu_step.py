@@ -96,8 +96,8 @@ def test_fused_step_generates_what_the_eager_path_does(model_dirs, dtype):
 
 
 def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
-    """Qwen3's per-head q/k norms, float16, and quantized linears keep the layer-by-layer path
-    (and say why)."""
+    """Qwen3's per-head q/k norms, float16, quantized linears, and bf16 on a CPU without the
+    bf16 GEMM keep the layer-by-layer path (and say why)."""
     kernels_reason = "eager: needs the CPU kernels' attention and GEMM (AVX2 or AVX512)"
     qwen3 = make_runner(model_dirs["qwen3"], "float32")
     fp16 = make_runner(model_dirs["llama"], "float16")
@@ -109,8 +109,15 @@ def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
     assert fp16.fuse_cpu_step() == ("eager: torch.float16 runs eagerly"
                                     if stack else kernels_reason)
     assert int8.fuse_cpu_step() == (
-        "eager: not every linear layer is a packed float32 weight (quantization)"
+        "eager: not every linear layer is a packed float32 weight (quantized, or a size the "
+        "kernels do not pack)"
         if stack else kernels_reason)
+    # bf16 fuses only where the kernels multiply bf16 (AVX512-BF16); elsewhere it says so
+    bf16 = make_runner(model_dirs["llama"], "bfloat16")
+    assert bf16.fuse_cpu_step() == (
+        "fused" if FUSED["bfloat16"] else
+        "eager: bf16 needs the CPU kernels' bf16 GEMM (AVX512-BF16)" if stack else
+        kernels_reason)
     for runner in (qwen3, fp16, int8):
         assert runner.model.model.fused_layers is None
         logits = runner.forward([Chunk(ids(20, 5), 0, [1, 2])])

@@ -4,9 +4,9 @@ The CPU analogue of the decode step's CUDA graphs (``cuda_graphs.py``): where ev
 is packed for the CPU kernels' GEMM (bf16 on AVX512-BF16, float32 on AVX2/AVX512) and attention
 is the CPU paged backend, the layers' kernels are called from C++
 (``kernels/csrc/decoder_step.h``) instead of from ~40 small Python operations per layer, with
-the GIL released throughout. The kernels and their order are the eager path's (float32: its
-PyTorch ops too), so the results are the same, bit for bit; the embeddings, RoPE table lookup, final norm,
-lm_head and sampling stay in Python. Any batch works (decode, prompt chunks, cached prefixes,
+the GIL released throughout. The kernels and their order are the eager path's (in float32 its
+PyTorch ops too), so the results are the same, bit for bit; the embeddings, RoPE table lookup,
+final norm, lm_head and sampling stay in Python. Any batch works (decode, prompt chunks, cached prefixes,
 shared-prefix cascades), so unlike a graph nothing is captured per batch size and there is no
 start-up cost. ``--enforce-eager`` keeps the Python path.
 """
@@ -79,13 +79,17 @@ def unsupported(model: torch.nn.Module) -> str | None:
             return "per-head q/k norms (Qwen3) run eagerly"
         linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if dtype == torch.bfloat16:
+            if not getattr(ops, "has_bf16_gemm", False):
+                return "bf16 needs the CPU kernels' bf16 GEMM (AVX512-BF16)"
             if any(lin.packed_bf16 is None for lin in linears):
-                return "not every linear layer is a packed bf16 weight (quantization)"
+                return "not every linear layer is a packed bf16 weight (quantized, or a size " \
+                       "the kernels do not pack)"
             if not mlp.gate_up_proj.gated:
                 return "gate/up takes no SiLU·mul in its epilogue (an MLP bias)"
         elif dtype == torch.float32:
             if any(lin.packed_f32 is None for lin in linears):
-                return "not every linear layer is a packed float32 weight (quantization)"
+                return "not every linear layer is a packed float32 weight (quantized, or a " \
+                       "size the kernels do not pack)"
         else:
             return f"{dtype} runs eagerly"
     return None
