@@ -6,9 +6,9 @@ is the CPU paged backend, the layers' kernels are called from C++
 (``kernels/csrc/decoder_step.h``) instead of from ~40 small Python operations per layer, with
 the GIL released throughout. The kernels and their order are the eager path's (in float32 its
 PyTorch ops too), so the results are the same, bit for bit; the embeddings, RoPE table lookup,
-final norm, lm_head and sampling stay in Python. Any batch works (decode, prompt chunks, cached prefixes,
-shared-prefix cascades), so unlike a graph nothing is captured per batch size and there is no
-start-up cost. ``--enforce-eager`` keeps the Python path.
+final norm, lm_head and sampling stay in Python. Any batch works (decode, prompt chunks, cached
+prefixes, shared-prefix cascades), so unlike a graph nothing is captured per batch size and
+there is no start-up cost. ``--enforce-eager`` keeps the Python path.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ class CpuStep:
         weights = []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            for t in (layer.input_layernorm.weight, _packed(a.qkv_proj), a.qkv_proj.bias,
-                      _packed(a.o_proj), a.o_proj.bias, layer.post_attention_layernorm.weight,
-                      _packed(mlp.gate_up_proj), mlp.gate_up_proj.bias,
-                      _packed(mlp.down_proj), mlp.down_proj.bias):
+            packed = [getattr(lin, _PACKED[self.dtype])
+                      for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            for t in (layer.input_layernorm.weight, packed[0], a.qkv_proj.bias,
+                      packed[1], a.o_proj.bias, layer.post_attention_layernorm.weight,
+                      packed[2], mlp.gate_up_proj.bias, packed[3], mlp.down_proj.bias):
                 weights.append(_NONE if t is None else t.detach())
         self.stack = attn.backend.ops.DecoderStack(
             weights, attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -56,10 +57,8 @@ class CpuStep:
 
 
 _NONE = torch.empty(0)
-
-
-def _packed(linear) -> torch.Tensor | None:
-    return linear.packed_bf16 if linear.packed_bf16 is not None else linear.packed_f32
+# the dtypes the kernels' DecoderStack runs, and the Linear attribute holding each one's weights
+_PACKED = {torch.bfloat16: "packed_bf16", torch.float32: "packed_f32"}
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -73,23 +72,19 @@ def unsupported(model: torch.nn.Module) -> str | None:
     if not isinstance(attn.backend, CpuPagedBackend) or not hasattr(ops, "DecoderStack"):
         return "needs the CPU kernels' attention and GEMM (AVX2 or AVX512)"
     dtype = inner.norm.weight.dtype
+    if dtype not in _PACKED:
+        return f"{dtype} runs eagerly"
+    if dtype == torch.bfloat16 and not getattr(ops, "has_bf16_gemm", False):
+        return "bf16 needs the CPU kernels' bf16 GEMM (AVX512-BF16)"
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
         if a.q_norm is not None:
             return "per-head q/k norms (Qwen3) run eagerly"
-        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if dtype == torch.bfloat16:
-            if not getattr(ops, "has_bf16_gemm", False):
-                return "bf16 needs the CPU kernels' bf16 GEMM (AVX512-BF16)"
-            if any(lin.packed_bf16 is None for lin in linears):
-                return "not every linear layer is a packed bf16 weight (quantized, or a size " \
-                       "the kernels do not pack)"
-            if not mlp.gate_up_proj.gated:
-                return "gate/up takes no SiLU·mul in its epilogue (an MLP bias)"
-        elif dtype == torch.float32:
-            if any(lin.packed_f32 is None for lin in linears):
-                return "not every linear layer is a packed float32 weight (quantized, or a " \
-                       "size the kernels do not pack)"
-        else:
-            return f"{dtype} runs eagerly"
+        if any(getattr(lin, _PACKED[dtype]) is None
+               for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            name = "bf16" if dtype == torch.bfloat16 else "float32"
+            return f"not every linear layer is a packed {name} weight (quantized, or a size " \
+                   "the kernels do not pack)"
+        if dtype == torch.bfloat16 and not mlp.gate_up_proj.gated:
+            return "gate/up takes no SiLU·mul in its epilogue (an MLP bias)"
     return None

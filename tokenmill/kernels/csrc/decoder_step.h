@@ -39,6 +39,8 @@ class DecoderStack {
     TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
                 "DecoderStack: ", kPerLayer, " tensors per layer");
     dtype_ = weights[1].scalar_type();
+    TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kFloat,
+                "DecoderStack: bf16 or float32 weights, got ", dtype_);
 #ifndef TOKENMILL_HAS_BF16_GEMM
     TORCH_CHECK(dtype_ == at::kFloat, "DecoderStack: bf16 weights need AVX512-BF16");
 #endif
