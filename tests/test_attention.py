@@ -1,7 +1,7 @@
 """Attention backends against a dense float64 reference on random flat batches over a paged cache:
 decode rows, prompts, chunks after a cached prefix, sequences sharing prefix blocks (cascade),
-GQA group sizes, ragged lengths, float32 and bfloat16, with a cache in the compute dtype or int8
-(quantization itself and the int8 cache's capacity: test_kv_quant.py)."""
+GQA group sizes, ragged lengths, float32 and bfloat16, with a cache in the compute dtype, int8,
+or bfloat16 under float32 (quantization itself and the int8 cache's capacity: test_kv_quant.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def make_case(rng: random.Random, *, heads: int, kv_heads: int, head_dim: int, b
     """A cache holding every request's context, plus the new tokens' q/k/v. ``shapes``:
     (context tokens already cached, new tokens) per request; with ``shared_blocks`` the first
     requests' tables start with the same blocks (their context there is the same K/V).
-    ``kv_cache_dtype="int8"`` or ``"fp8"``: the cache holds K/V quantized (``dense`` stays
-    exact)."""
+    ``kv_cache_dtype="int8"`` or ``"fp8"``: the cache holds K/V quantized; ``"bfloat16"``:
+    rounded to bfloat16 (``dense`` stays exact)."""
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     total_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 4
     free = list(range(1, total_blocks + 1))
@@ -34,8 +34,9 @@ def make_case(rng: random.Random, *, heads: int, kv_heads: int, head_dim: int, b
     quantized = CACHE_DTYPES.get(kv_cache_dtype)
     shape = (total_blocks + 1, block_size, kv_heads,
              head_dim + (SCALE_BYTES if quantized else 0))
-    k_cache = torch.zeros(shape, dtype=quantized or dtype)
-    v_cache = torch.zeros(shape, dtype=quantized or dtype)
+    cache_dtype = quantized or (torch.bfloat16 if kv_cache_dtype == "bfloat16" else dtype)
+    k_cache = torch.zeros(shape, dtype=cache_dtype)
+    v_cache = torch.zeros(shape, dtype=cache_dtype)
     shared = [free.pop() for _ in range(shared_blocks)]
     shared_k = torch.randn(shared_blocks * block_size, kv_heads, head_dim, generator=gen)
     shared_v = torch.randn(shared_blocks * block_size, kv_heads, head_dim, generator=gen)
@@ -123,6 +124,8 @@ CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.uint8}  # --kv-cache-dtype -> t
 
 def held_by_cache(dense, kv_cache_dtype: str):
     """The K/V a cache of ``kv_cache_dtype`` gives back for each request's exact K/V."""
+    if kv_cache_dtype == "bfloat16":
+        return [(k.to(torch.bfloat16).double(), v.to(torch.bfloat16).double()) for k, v in dense]
     cache_dtype = CACHE_DTYPES.get(kv_cache_dtype)
     if cache_dtype is None:
         return dense
@@ -133,9 +136,10 @@ def held_by_cache(dense, kv_cache_dtype: str):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3), (8, 1)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 64])  # 64: the transposed-block path for wide tiles
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [
+    (torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "int8"),
+    (torch.bfloat16, "int8"), (torch.float32, "bfloat16")])  # bf16 under bf16 is "auto"
 def test_backend_matches_dense_reference(backend, case, heads, kv_heads, dtype, head_dim,
                                          kv_cache_dtype):
     rng = random.Random(hash((case, heads, kv_heads, str(dtype), head_dim)) & 0xFFFF)
@@ -149,7 +153,8 @@ def test_backend_matches_dense_reference(backend, case, heads, kv_heads, dtype, 
     out = get_backend(backend).forward(q, k, v, kv_cache, batch.meta, scale)
     assert out.dtype == dtype and out.shape == q.shape
     int8 = kv_cache_dtype == "int8"
-    # exact (to the compute dtype) against what the cache holds: int8 values times scales
+    # exact (to the compute dtype) against what the cache holds: int8 values times scales,
+    # or K/V rounded to bfloat16
     want = reference(chunks, q, held_by_cache(dense, kv_cache_dtype), heads, kv_heads, scale)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)

@@ -2,9 +2,9 @@
 
 Both call the same kernels in the same order, so every logit must be equal bit for bit, for
 every kind of batch: prompts, chunks after a cached prefix, decode rows, ragged lengths, GQA,
-q/k/v biases, the shared-prefix (cascade) pass and an int8 KV cache; bf16 (on AVX512-BF16) and
-float32 (AVX2 or AVX512). Tiny random models of head size 32 (the kernels' smallest) and blocks
-of 16 tokens.
+q/k/v biases, the shared-prefix (cascade) pass, an int8 KV cache and a bfloat16 one; bf16 (on
+AVX512-BF16) and float32 (AVX2 or AVX512). Tiny random models of head size 32 (the kernels'
+smallest) and blocks of 16 tokens.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def ids(n: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "auto"), ("smollm2", "auto"),
-                                                 ("qwen2", "auto"), ("llama", "int8")])
+                                                 ("qwen2", "auto"), ("llama", "int8"),
+                                                 ("llama", "bfloat16")])
 def test_fused_step_equals_layer_by_layer(model_dirs, arch, kv_cache_dtype, dtype):
     # two runners, each with its own cache: the fused one reads only the K/V it stored itself
     eager = make_runner(model_dirs[arch], dtype, kv_cache_dtype)

@@ -48,9 +48,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
              "quantized GGUF keeps its own Q8_0/Q4_0/Q4_1 blocks, others none; fp8: e4m3 "
              "weights and activations (Hopper GPUs)")),
     ("--kv-cache-dtype", "kv_cache_dtype", dict(
-        choices=["auto", "int8", "fp8"],
-        help="KV cache storage: auto (the compute dtype), int8 or fp8 (e4m3, GPUs), with a "
-             "scale per token and head: about twice the tokens of bf16")),
+        choices=["auto", "bfloat16", "int8", "fp8"],
+        help="KV cache storage: auto (the compute dtype); bfloat16 (half a float32 cache's "
+             "bytes, for a float32 model); int8 or fp8 (e4m3, GPUs), with a scale per token "
+             "and head: about twice the tokens of bf16")),
     ("--enforce-eager", "enforce_eager", dict(
         action="store_const", const=True,
         help="run every step layer by layer from Python: no CUDA graphs of the decode step "

@@ -128,8 +128,8 @@ class EngineConfig:
     # int8, Q4_0 / Q4_1 as int4, each with the file's own block scales; else none), "fp8"
     # (e4m3 with per-channel scales, times per-token fp8 activations; for Hopper GPUs)
     quantization: str = "none"
-    # KV cache storage: "auto" (the compute dtype), "int8" or "fp8" (e4m3; for GPUs), each with
-    # a scale per token and head
+    # KV cache storage: "auto" (the compute dtype), "bfloat16" (values rounded to bf16: half a
+    # float32 cache), "int8" or "fp8" (e4m3; for GPUs), each with a scale per token and head
     kv_cache_dtype: str = "auto"
     # GPU: run every step eagerly (no CUDA graphs of the decode step)
     enforce_eager: bool = False

@@ -48,9 +48,10 @@ class AttentionBackend(ABC):
     """Computes causal attention of a flat batch over a paged KV cache.
 
     ``kv_cache`` is ``(k_cache, v_cache)``, each ``(num_blocks, block_size, num_kv_heads,
-    head_dim)`` in the compute dtype, or int8 ``(..., head_dim + kv_quant.SCALE_BYTES)``: values
-    with a float16 scale per (token, head) (``runner/kv_cache.py``). ``forward`` first stores the
-    new ``k``/``v`` at ``meta.slot_mapping`` (quantizing them for an int8 cache), then attends
+    head_dim)`` in the compute dtype (or bfloat16 under a float32 model), or int8
+    ``(..., head_dim + kv_quant.SCALE_BYTES)``: values with a float16 scale per (token, head)
+    (``runner/kv_cache.py``). ``forward`` first stores the new ``k``/``v`` at
+    ``meta.slot_mapping`` (quantizing or rounding them to the cache's dtype), then attends
     each request's queries to all of its cached keys (prefix included), causally. Every backend
     reads both kinds of cache.
     """
@@ -65,6 +66,8 @@ class AttentionBackend(ABC):
         row_shape = k_cache.shape[-2:]  # (num_kv_heads, head_dim [+ SCALE_BYTES])
         if is_quantized(k_cache):
             k, v = pack(k, k_cache.dtype), pack(v, v_cache.dtype)
+        elif k.dtype != k_cache.dtype:  # a bfloat16 cache under float32: rounded as stored
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k_cache.view(-1, *row_shape).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *row_shape).index_copy_(0, slot_mapping, v)
 

@@ -113,8 +113,9 @@ class CpuPagedBackend(AttentionBackend):
     the values: per block and head, K is ``head_dim`` rows of ``block_size`` int8 then the
     block's ``block_size`` float16 scales; V is token-major rows of ``head_dim`` int8 and the
     float16 scale. The kernel reads the int8 values in place and applies the K scale to each
-    score and the V scale to each probability, so no block is ever dequantized to memory. An
-    fp8 cache (meant for GPUs) is attended by the reference, in the reference's layout."""
+    score and the V scale to each probability, so no block is ever dequantized to memory. A
+    bfloat16 cache under a float32 model is read in place too, widened in registers. An fp8
+    cache (meant for GPUs) is attended by the reference, in the reference's layout."""
 
     name = "cpu"
 
@@ -123,17 +124,21 @@ class CpuPagedBackend(AttentionBackend):
         self._fallback: TorchReferenceBackend | None = None
         self._checked: tuple | None = None
 
-    def _reference_for(self, kv_cache) -> TorchReferenceBackend | None:
+    def _reference_for(self, kv_cache, dtype: torch.dtype) -> TorchReferenceBackend | None:
+        """The reference backend when the kernel cannot take this cache with K/V of ``dtype``
+        (a head size it does not take, fp8, bfloat16 under float16); None when it can."""
         k_cache = kv_cache[0]
-        shape = (cache_head_dim(k_cache), k_cache.shape[1], k_cache.dtype)  # head_dim, block
-        if shape != self._checked:
-            self._checked = shape
-            ok = self.ops.supports(*shape[:2]) and k_cache.dtype != torch.uint8  # not fp8
+        key = (cache_head_dim(k_cache), k_cache.shape[1], k_cache.dtype, dtype)  # head_dim, block
+        if key != self._checked:
+            self._checked = key
+            readable = k_cache.dtype in (dtype, torch.int8) or (
+                k_cache.dtype == torch.bfloat16 and dtype == torch.float32)
+            ok = self.ops.supports(*key[:2]) and readable
             self._fallback = None if ok else TorchReferenceBackend()
         return self._fallback
 
     def store_kv(self, k, v, kv_cache, slot_mapping) -> None:
-        ref = self._reference_for(kv_cache)
+        ref = self._reference_for(kv_cache, k.dtype)
         if ref is not None:
             return ref.store_kv(k, v, kv_cache, slot_mapping)
         self.ops.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
@@ -146,7 +151,7 @@ class CpuPagedBackend(AttentionBackend):
         return plan
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        ref = self._reference_for(kv_cache)
+        ref = self._reference_for(kv_cache, q.dtype)
         if ref is not None:
             return ref.forward(q, k, v, kv_cache, meta, scale)
         self.store_kv(k, v, kv_cache, meta.slot_mapping)

@@ -6,9 +6,10 @@ Grouped-query attention is done by folding the query heads that share a KV head 
 query-length axis, so K/V are never repeated per query head.
 
 Cache layout: token-major, ``(num_blocks, block_size, num_kv_heads, head_dim)`` in the compute
-dtype; or int8 ``(num_blocks, block_size, num_kv_heads, head_dim + 2)``, each (token, head) row
-its int8 values then its float16 scale (``kv_quant``). An int8 cache is dequantized as it is
-gathered (only the blocks a call reads), so the attention itself is the same code.
+dtype (or bfloat16, widened to it as read); or int8 ``(num_blocks, block_size, num_kv_heads,
+head_dim + 2)``, each (token, head) row its int8 values then its float16 scale (``kv_quant``).
+An int8 cache is dequantized as it is gathered (only the blocks a call reads), so the attention
+itself is the same code.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class TorchReferenceBackend(AttentionBackend):
 def _read_blocks(cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Blocks ``ids`` of a cache, (len(ids), block_size, kv_heads, head_dim), in ``dtype``."""
     blocks = cache.index_select(0, ids)
-    return unpack(blocks, dtype) if is_quantized(cache) else blocks
+    return unpack(blocks, dtype) if is_quantized(cache) else blocks.to(dtype)
 
 
 def _gather_kv(kv_cache, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype):

@@ -28,8 +28,9 @@ partial output and log-sum-exp, and ``_merge_splits`` combines them. A sequence 
 (``seq_len`` 0: a padded graph row) comes out as zeros.
 
 Caches: the reference layout (``attention/base.py``), token-major ``(blocks, block_size,
-kv_heads, head_dim)`` in the compute dtype, or quantized rows of ``head_dim`` int8 / fp8 (e4m3)
-values followed by their float16 scale (``kv_quant``), dequantized as they are loaded.
+kv_heads, head_dim)`` in the compute dtype (or bfloat16 under float32, widened as loaded), or
+quantized rows of ``head_dim`` int8 / fp8 (e4m3) values followed by their float16 scale
+(``kv_quant``), dequantized as they are loaded.
 """
 
 from __future__ import annotations
@@ -241,6 +242,8 @@ class TritonPagedBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         if is_quantized(k_cache):
             k, v = pack(k, k_cache.dtype), pack(v, v_cache.dtype)
+        elif k.dtype != k_cache.dtype:  # a bfloat16 cache under float32
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         n = k.shape[0]
         if n == 0:
             return

@@ -44,7 +44,7 @@ class CpuStep:
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if h.dtype != self.dtype or self.backend._reference_for(kv_caches[0]) is not None:
+        if h.dtype != self.dtype or self.backend._reference_for(kv_caches[0], h.dtype):
             return None
         plan = self.backend.plan(meta)
         cos, sin = rope

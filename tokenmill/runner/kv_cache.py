@@ -22,6 +22,13 @@ scale per (token, KV head), symmetric (scale = absmax / 127 rounded up to float1
 Bytes per (token, head) for head_dim 64: 66 (int8) against 128 (bfloat16 / float16) and 256
 (float32), so the same budget holds 64/33 = 1.94x the tokens of bf16 and 3.88x of float32.
 
+``kv_cache_dtype="bfloat16"``: the compute dtype's layout with the values rounded to bfloat16 (to
+nearest even) as they are stored, half the bytes of a float32 cache; attention reads them back
+widened to the compute dtype. For a float32 model on a CPU without native bf16 (where
+``--dtype auto`` keeps the weights in float32): decode attention reads every cached K/V once per
+step and is bound by memory bandwidth there, so half the bytes is close to half the time, and the
+same budget holds twice the tokens. A bfloat16 model's cache is bfloat16 already.
+
 ``kv_cache_dtype="fp8"``: the same rows in uint8 tensors, the values float8 e4m3 bits (for GPUs,
 read by the triton and torch backends; the cpu backend reads int8 only).
 """
@@ -37,7 +44,7 @@ from tokenmill.attention.kv_quant import SCALE_BYTES
 from tokenmill.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
 _QUANTIZED = {"int8": torch.int8, "fp8": torch.uint8}  # the cache tensors' dtype
 
 
@@ -56,7 +63,8 @@ def kv_row_shape(cfg: ModelConfig, dtype: torch.dtype,
             raise ValueError(f"an {kv_cache_dtype} KV cache needs an even head_dim, not "
                              f"{cfg.head_dim}")
         return (cfg.num_kv_heads, cfg.head_dim + SCALE_BYTES), _QUANTIZED[kv_cache_dtype]
-    return (cfg.num_kv_heads, cfg.head_dim), dtype
+    return (cfg.num_kv_heads, cfg.head_dim), (torch.bfloat16 if kv_cache_dtype == "bfloat16"
+                                              else dtype)
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,

@@ -835,15 +835,33 @@ struct TypeTag {
   using type = C;
 };
 
-// f(TypeTag<C>{}) with C the cache's element type: int8_t for an int8 cache, else q's T
-// (int8 caches are read for float32 / bfloat16 / float16 queries, not float64)
+// What a cache holds beside queries / new K/V of dtype T: T itself, int8 with scales, or
+// bfloat16 under float32 (`--kv-cache-dtype bfloat16`: half the bytes, widened as read).
+enum class CacheKind { kSame, kInt8, kBf16 };
+
+// The kind of `cache` for K/V or queries of dtype `t`, checked: int8 caches are read for
+// float32 / bfloat16 / float16, bfloat16 ones for float32 too.
+CacheKind cache_kind(const at::Tensor& cache, at::ScalarType t, const char* op) {
+  const at::ScalarType c = cache.scalar_type();
+  if (c == t) return CacheKind::kSame;
+  if (c == at::kChar && t != at::kDouble) return CacheKind::kInt8;
+  if (c == at::kBFloat16 && t == at::kFloat) return CacheKind::kBf16;
+  TORCH_CHECK(false, op, ": a ", c, " cache does not hold ", t, " K/V (the same dtype, int8, "
+              "or bfloat16 under float32)");
+}
+
+// f(TypeTag<C>{}) with C the cache's element type for T: T, int8_t or at::BFloat16
 template <typename T, typename F>
-void with_cache_type(bool int8, const char* op, F&& f) {
+void with_cache_type(CacheKind kind, F&& f) {
   if constexpr (std::is_same<T, double>::value) {
-    TORCH_CHECK(!int8, op, ": an int8 cache needs float32, bfloat16 or float16 K/V");
-    f(TypeTag<T>{});
-  } else if (int8) {
+    f(TypeTag<T>{});  // cache_kind allows only kSame
+  } else if (kind == CacheKind::kInt8) {
     f(TypeTag<int8_t>{});
+  } else if constexpr (std::is_same<T, float>::value) {
+    if (kind == CacheKind::kBf16)
+      f(TypeTag<at::BFloat16>{});
+    else
+      f(TypeTag<T>{});
   } else {
     f(TypeTag<T>{});
   }
@@ -870,10 +888,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      bool merge, int64_t tile) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q (T, H, D) and caches (blocks, block_size, KVH, D) expected");
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK((int8 || q.scalar_type() == k_cache.scalar_type()) &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_attention: the caches are int8 or share q's dtype");
+  const CacheKind kind = cache_kind(k_cache, q.scalar_type(), "paged_attention");
+  const bool int8 = kind == CacheKind::kInt8;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention: K and V caches of one dtype");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be "
               "contiguous (T, H, D)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
@@ -899,7 +917,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
               "float32");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
                                   [&] {
-    with_cache_type<scalar_t>(int8, "paged_attention", [&](auto cache_type) {
+    with_cache_type<scalar_t>(kind, [&](auto cache_type) {
       using C = typename decltype(cache_type)::type;
       if (same) {
         attention_dispatch<scalar_t, C, scalar_t>(q, k_cache, v_cache, block_tables,
@@ -939,9 +957,12 @@ void store_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
         std::memcpy(kblock + head_dim * block_size + 2 * off, &k_scale.x, 2);
         const at::Half v_scale = quantize_row(vsrc, vdst, head_dim, 1);
         std::memcpy(vdst + head_dim, &v_scale.x, 2);
-      } else {
+      } else {  // a bfloat16 cache under float32: rounded to nearest even, as torch's .to()
         for (int64_t d = 0; d < head_dim; ++d) kblock[off + d * block_size] = ksrc[d];
-        std::memcpy(vdst, vsrc, head_dim * sizeof(T));
+        if constexpr (std::is_same<C, T>::value)
+          std::memcpy(vdst, vsrc, head_dim * sizeof(T));
+        else
+          for (int64_t d = 0; d < head_dim; ++d) vdst[d] = vsrc[d];
       }
     }
   }
@@ -951,18 +972,18 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
               const at::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "store_kv: k, v (T, KVH, D) with unit inner stride");
-  const bool int8 = k_cache.scalar_type() == at::kChar;
+  const CacheKind kind = cache_kind(k_cache, k.scalar_type(), "store_kv");
+  const bool int8 = kind == CacheKind::kInt8;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == k.size(1) &&
                   k_cache.size(3) == k.size(2) + (int8 ? kScaleBytes<int8_t> : 0) &&
-                  (int8 || k.scalar_type() == k_cache.scalar_type()) &&
                   v.scalar_type() == k.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "store_kv: cache shapes/dtypes (k's dtype, or int8 with room for the scales)");
+              "store_kv: cache shapes/dtypes (int8 ones with room for the scales)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == k.size(0), "store_kv: one int64 slot per token");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
-    with_cache_type<scalar_t>(int8, "store_kv", [&](auto cache_type) {
+    with_cache_type<scalar_t>(kind, [&](auto cache_type) {
       using C = typename decltype(cache_type)::type;
       store_kv_impl<scalar_t, C>(k, v, k_cache, v_cache, slots);
     });
