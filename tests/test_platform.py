@@ -26,6 +26,32 @@ def test_explicit_dtype_is_kept(monkeypatch):
     assert platform.choose_dtype("cpu", "bfloat16") == ("bfloat16", "asked for")
 
 
+@pytest.mark.parametrize("device,requested_dtype,dtype,requested,want", [
+    # --dtype auto kept float32 on a CPU without native bf16: K/V in bf16
+    ("cpu", "auto", "float32", "auto", "bfloat16"),
+    ("cpu", None, "float32", "auto", "bfloat16"),
+    # float32 asked for, or bf16 compute: the compute dtype's cache
+    ("cpu", "float32", "float32", "auto", "auto"),
+    ("cpu", "auto", "bfloat16", "auto", "auto"),
+    ("cuda", "auto", "float16", "auto", "auto"),
+    ("cuda", "float32", "float32", "auto", "auto"),
+    # an explicit cache dtype is kept
+    ("cpu", "auto", "float32", "int8", "int8"),
+    ("cpu", "float32", "float32", "bfloat16", "bfloat16"),
+])
+def test_auto_kv_cache_dtype(device, requested_dtype, dtype, requested, want):
+    chosen, why = platform.choose_kv_cache_dtype(device, requested_dtype, dtype, requested)
+    assert chosen == want
+    assert why == "asked for" if requested != "auto" else ("bandwidth" in why or dtype in why)
+
+
+def test_auto_kv_cache_dtype_follows_the_cpu(monkeypatch):
+    for features, kv in [({"avx2", "fma3"}, "bfloat16"), ({"avx512_bf16"}, "auto")]:
+        monkeypatch.setattr(platform, "cpu_features", lambda: features)
+        dtype, _ = platform.choose_dtype("cpu", "auto")
+        assert platform.choose_kv_cache_dtype("cpu", "auto", dtype)[0] == kv
+
+
 def test_this_machine_is_described():
     desc = platform.cpu_description()
     assert desc["cpu"] and set(desc["isa"]) <= set(platform.ISA_FLAGS)

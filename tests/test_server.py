@@ -40,12 +40,15 @@ def test_models_health_version(server, client):
 
 
 def test_server_info_says_how_it_runs(server):
-    """--dtype auto's choice and why, the attention backend and the CPU, as start-up logs them."""
+    """--dtype auto's choice and why (and --kv-cache-dtype auto's), the attention backend and
+    the CPU, as start-up logs them."""
     from tokenmill.kernels import cpu
-    from tokenmill.platform import choose_dtype, cpu_description
+    from tokenmill.platform import choose_dtype, choose_kv_cache_dtype, cpu_description
 
     info = httpx.get(f"{server.url}/server_info").json()
     assert (info["dtype"], info["dtype_reason"]) == choose_dtype("cpu")
+    assert (info["kv_cache_dtype"], info["kv_cache_dtype_reason"]) == \
+        choose_kv_cache_dtype("cpu", "auto", info["dtype"])
     assert info["attention_backend"] == ("cpu" if cpu.is_built() else "torch")
     assert info["hardware"] == cpu_description()
     assert info["threads"] >= 1 and info["kv_cache_tokens"] > 0

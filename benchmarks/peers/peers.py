@@ -283,8 +283,6 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     TokenmillPeer("tokenmill-int8", extra=("--quantization", "int8")),
     TokenmillPeer("tokenmill-int4", extra=("--quantization", "int4")),
     TokenmillPeer("tokenmill-kv-int8", extra=("--kv-cache-dtype", "int8")),
-    # float32 weights with K/V stored in bfloat16 (for a CPU without native bf16 compute)
-    TokenmillPeer("tokenmill-kv-bf16", extra=("--kv-cache-dtype", "bfloat16")),
     VLLMPeer(),
     VLLMPeer("vllm-fp32", "float32"), LlamaCppPeer(), HFPeer())}
 

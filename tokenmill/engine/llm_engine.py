@@ -76,7 +76,8 @@ class EngineInfo:
     dtype_reason: str = ""
     attention_backend: str = "torch"
     quantization: str = "none"  # the linear weights' format as loaded (none, int8, int4, ...)
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # as chosen (platform.choose_kv_cache_dtype): auto = dtype's
+    kv_cache_dtype_reason: str = ""
     # decode batch sizes replayed from CUDA graphs, e.g. "1,2,4,8,16,...,64"; "off" when none
     cuda_graphs: str = "off"
     # CPU: "fused" when the decoder layers run in one C++ call (runner/cpu_step.py), else
@@ -159,7 +160,8 @@ class LLMEngine:
 
         from tokenmill.attention import default_backend
         from tokenmill.model.loader import load_model
-        from tokenmill.platform import choose_dtype, configure_threads, cpu_description
+        from tokenmill.platform import (choose_dtype, choose_kv_cache_dtype, configure_threads,
+                                        cpu_description)
         from tokenmill.runner.kv_cache import bytes_per_block, num_kv_blocks
         from tokenmill.runner.model_runner import ModelRunner
         from tokenmill.spec import build_decoder, load_draft_model, spec_description
@@ -170,6 +172,8 @@ class LLMEngine:
         if config.device.startswith("cpu"):
             configure_threads(config.num_threads)
         dtype, dtype_reason = choose_dtype(config.device, config.dtype)
+        kv_dtype, kv_dtype_reason = choose_kv_cache_dtype(config.device, config.dtype, dtype,
+                                                          config.kv_cache_dtype)
         backend = config.attention_backend
         if backend == "auto":
             backend = default_backend(config.device)
@@ -185,11 +189,10 @@ class LLMEngine:
             if draft else 0
         num_blocks = num_kv_blocks(model, cache.block_size, getattr(torch, dtype), config.device,
                                    cache.kv_cache_memory, cache.num_blocks, draft_bytes,
-                                   config.kv_cache_dtype)
+                                   kv_dtype)
         max_len = min(config.scheduler.max_model_len or model.max_position_embeddings,
                       model.max_position_embeddings)
-        runner = ModelRunner(loaded, num_blocks, cache.block_size, config.device,
-                             config.kv_cache_dtype)
+        runner = ModelRunner(loaded, num_blocks, cache.block_size, config.device, kv_dtype)
         if (torch.device(config.device).type == "cuda" and backend == "triton"
                 and not config.enforce_eager):
             runner.capture_graphs(config.scheduler.max_num_seqs, max_len)
@@ -204,13 +207,13 @@ class LLMEngine:
         info = EngineInfo(str(loaded.source.path), model.vocab_size, max_len,
                           (num_blocks - 1) * cache.block_size,  # block 0 is padding
                           config.scheduler.max_num_seqs, cache.block_size, dtype,
-                          dtype_reason, backend, loaded.quantization, config.kv_cache_dtype,
-                          runner.graphs_description(), cpu_step,
+                          dtype_reason, backend, loaded.quantization, kv_dtype,
+                          kv_dtype_reason, runner.graphs_description(), cpu_step,
                           cpu_description() if config.device.startswith("cpu") else {},
                           spec_description(config.speculative, draft) if proposer else {})
-        logger.info("compute dtype %s (%s); weights %s; KV cache %s; attention backend %s; "
-                    "CUDA graphs %s; CPU step %s; %s", dtype, dtype_reason,
-                    loaded.quantization, config.kv_cache_dtype, backend, info.cuda_graphs,
+        logger.info("compute dtype %s (%s); weights %s; KV cache %s (%s); attention backend "
+                    "%s; CUDA graphs %s; CPU step %s; %s", dtype, dtype_reason,
+                    loaded.quantization, kv_dtype, kv_dtype_reason, backend, info.cuda_graphs,
                     info.cpu_step, info.hardware or config.device)
         if proposer is not None:
             logger.info("speculative decoding: %s", info.speculative)

@@ -71,10 +71,11 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         async_engine.start()
         watch = asyncio.create_task(watchdog.run())
         info = engine.info
-        logger.info("tokenmill %s serving %s at http://%s:%d (KV cache %d tokens, "
+        logger.info("tokenmill %s serving %s at http://%s:%d (KV cache %d tokens, %s: %s, "
                     "max_model_len %d, %s: %s, attention %s)", tokenmill.__version__,
                     settings.model_name, settings.host, settings.port, info.kv_cache_tokens,
-                    info.max_model_len, info.dtype, info.dtype_reason, info.attention_backend)
+                    info.kv_cache_dtype, info.kv_cache_dtype_reason, info.max_model_len,
+                    info.dtype, info.dtype_reason, info.attention_backend)
         yield
         watch.cancel()
         await async_engine.shutdown(settings.shutdown_timeout)
