@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -35,7 +36,7 @@ def main() -> None:
     llm = LLM(args.model, device=args.device, dtype=args.dtype,
               attention_backend=args.attention_backend,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory)
+              kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype)
     rng = random.Random(args.seed)
     vocab = llm.engine.info.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)]
@@ -53,6 +54,7 @@ def main() -> None:
     step_s = after.step_seconds - before.step_seconds
     result = {
         "model": engine.info.model, "device": args.device, "dtype": engine.info.dtype,
+        "kv_cache_dtype": engine.info.kv_cache_dtype,
         "attention_backend": engine.info.attention_backend, **engine.info.hardware,
         "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "elapsed_s": round(elapsed, 2),
