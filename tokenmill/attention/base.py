@@ -53,7 +53,7 @@ class AttentionBackend(ABC):
     (``runner/kv_cache.py``). ``forward`` first stores the new ``k``/``v`` at
     ``meta.slot_mapping`` (quantizing or rounding them to the cache's dtype), then attends
     each request's queries to all of its cached keys (prefix included), causally. Every backend
-    reads both kinds of cache.
+    reads every kind of cache.
     """
 
     name: str = "abstract"
