@@ -160,8 +160,8 @@ class LLMEngine:
 
         from tokenmill.attention import default_backend
         from tokenmill.model.loader import load_model
-        from tokenmill.platform import (choose_dtype, choose_kv_cache_dtype, configure_threads,
-                                        cpu_description)
+        from tokenmill.platform import (choose_dtype, choose_kv_cache_dtype,
+                                        configure_allocator, configure_threads, cpu_description)
         from tokenmill.runner.kv_cache import bytes_per_block, num_kv_blocks
         from tokenmill.runner.model_runner import ModelRunner
         from tokenmill.spec import build_decoder, load_draft_model, spec_description
@@ -171,6 +171,7 @@ class LLMEngine:
 
         if config.device.startswith("cpu"):
             configure_threads(config.num_threads)
+            configure_allocator()
         dtype, dtype_reason = choose_dtype(config.device, config.dtype)
         kv_dtype, kv_dtype_reason = choose_kv_cache_dtype(config.device, config.dtype, dtype,
                                                           config.kv_cache_dtype)
