@@ -42,7 +42,12 @@ def test_explicit_dtype_is_kept(monkeypatch):
 def test_auto_kv_cache_dtype(device, requested_dtype, dtype, requested, want):
     chosen, why = platform.choose_kv_cache_dtype(device, requested_dtype, dtype, requested)
     assert chosen == want
-    assert why == "asked for" if requested != "auto" else ("bandwidth" in why or dtype in why)
+    if requested != "auto":
+        assert why == "asked for"
+    elif want == "bfloat16":
+        assert "native bfloat16" in why and "memory traffic" in why
+    else:
+        assert why == f"the compute dtype ({dtype})"
 
 
 def test_auto_kv_cache_dtype_follows_the_cpu(monkeypatch):

@@ -49,9 +49,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
              "weights and activations (Hopper GPUs)")),
     ("--kv-cache-dtype", "kv_cache_dtype", dict(
         choices=["auto", "bfloat16", "int8", "fp8"],
-        help="KV cache storage: auto (the compute dtype); bfloat16 (half a float32 cache's "
-             "bytes, for a float32 model); int8 or fp8 (e4m3, GPUs), with a scale per token "
-             "and head: about twice the tokens of bf16")),
+        help="KV cache storage: auto (the compute dtype, but bfloat16 under float32 weights "
+             "that --dtype auto chose on a CPU); bfloat16 (half a float32 cache's bytes, for "
+             "a float32 model); int8 or fp8 (e4m3, GPUs), with a scale per token and head: "
+             "about twice the tokens of bf16")),
     ("--enforce-eager", "enforce_eager", dict(
         action="store_const", const=True,
         help="run every step layer by layer from Python: no CUDA graphs of the decode step "

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.attention.kv_quant import is_quantized, pack
+from tokenmill.attention.kv_quant import as_cache_rows
 
 
 @dataclass
@@ -64,10 +64,7 @@ class AttentionBackend(ABC):
         reference: token-major, as the cache's shape reads; int8 rows hold their scale)."""
         k_cache, v_cache = kv_cache
         row_shape = k_cache.shape[-2:]  # (num_kv_heads, head_dim [+ SCALE_BYTES])
-        if is_quantized(k_cache):
-            k, v = pack(k, k_cache.dtype), pack(v, v_cache.dtype)
-        elif k.dtype != k_cache.dtype:  # a bfloat16 cache under float32: rounded as stored
-            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k, v = as_cache_rows(k, k_cache), as_cache_rows(v, v_cache)
         k_cache.view(-1, *row_shape).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *row_shape).index_copy_(0, slot_mapping, v)
 

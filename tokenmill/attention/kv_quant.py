@@ -71,6 +71,13 @@ def pack(x: torch.Tensor, cache_dtype: torch.dtype = torch.int8) -> torch.Tensor
     return torch.cat([q, scale.unsqueeze(-1).view(cache_dtype)], dim=-1)
 
 
+def as_cache_rows(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """K or V rows (..., D) as ``cache`` stores them in the reference layout: quantized with
+    their scales (int8 / fp8), else in the cache's dtype (a bfloat16 cache under float32:
+    rounded to nearest even)."""
+    return pack(x, cache.dtype) if is_quantized(cache) else x.to(cache.dtype)
+
+
 def unpack(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows (..., D + SCALE_BYTES), int8 or fp8-in-uint8 (last dim contiguous) -> dequantized
     (..., D) ``dtype`` (multiplied in float32, rounded once to ``dtype``)."""

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
-from tokenmill.attention.kv_quant import is_quantized, pack
+from tokenmill.attention.kv_quant import as_cache_rows, is_quantized
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Query rows per tile (tokens x padded group), and at most this many KV splits.
@@ -240,10 +240,7 @@ class TritonPagedBackend(AttentionBackend):
 
     def store_kv(self, k, v, kv_cache, slot_mapping):
         k_cache, v_cache = kv_cache
-        if is_quantized(k_cache):
-            k, v = pack(k, k_cache.dtype), pack(v, v_cache.dtype)
-        elif k.dtype != k_cache.dtype:  # a bfloat16 cache under float32
-            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k, v = as_cache_rows(k, k_cache), as_cache_rows(v, v_cache)
         n = k.shape[0]
         if n == 0:
             return
