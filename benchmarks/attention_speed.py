@@ -3,7 +3,7 @@ decode batches at several context lengths, a shared-prefix decode batch (cascade
 chunks. One layer per call; per-step cost is ~30x (the model's layers).
 
     python3 benchmarks/attention_speed.py [--dtype float32|bfloat16] [--backends torch,cpu]
-                                          [--kv-cache-dtype auto|int8] [--layers 30]
+                                          [--kv-cache-dtype auto|int8|bfloat16] [--layers 30]
 
 One layer's K/V fits in L3, a step's do not: with ``--layers L`` each call attends with the next
 of L copies of the cache (the batch's metadata built once per L calls, as a step builds it
@@ -56,7 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backends", default="torch,cpu")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "bfloat16"])
     ap.add_argument("--layers", type=int, default=1,
                     help="copies of the cache attended in turn (30: K/V from memory)")
     args = ap.parse_args()

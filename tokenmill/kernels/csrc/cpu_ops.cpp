@@ -393,6 +393,60 @@ inline float block_exp(float* sc, int64_t vis, int64_t block_size, float m) {
   }
   return _mm512_reduce_add_ps(sum);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+template <typename Op>  // op over the 8 lanes, pairwise
+inline float reduce8(__m256 v, Op op) {
+  __m128 x = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = op(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(op(x, _mm_movehdup_ps(x)));
+}
+
+// lanes [0, live) of sc as a mask (live in 0..8)
+inline __m256i live_mask8(int64_t live) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline float block_max(const float* sc, int64_t vis) {
+  __m256 mx = _mm256_set1_ps(kNegInf);
+  int64_t s = 0;
+  for (; s + 8 <= vis; s += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + s));
+  if (s < vis)
+    mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(sc + s),
+                                            _mm256_castsi256_ps(live_mask8(vis - s))));
+  return reduce8(mx, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
+}
+
+// exp_clamped on 8 lanes, the same operations (so the same results) as the scalar one
+inline __m256 exp_clamped8(__m256 x) {
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 big = _mm256_set1_ps(12582912.0f);
+  const __m256 r = _mm256_sub_ps(_mm256_add_ps(t, big), big);
+  const __m256 f = _mm256_sub_ps(t, r);
+  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
+  for (const float c : {1.5403530393381608e-04f, 1.3333558146428443e-03f, 9.618129107628477e-03f,
+                        5.550410866482158e-02f, 2.402265069591007e-01f, 6.931471805599453e-01f,
+                        1.0f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(c));
+  const __m256i n = _mm256_slli_epi32(_mm256_cvtps_epi32(r), 23);
+  const __m256 y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), n));
+  return _mm256_andnot_ps(under, y);
+}
+
+inline float block_exp(float* sc, int64_t vis, int64_t block_size, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t s = 0; s < block_size; s += 8) {
+    const int64_t live = std::min<int64_t>(std::max<int64_t>(vis - s, 0), 8);
+    const __m256 p = _mm256_and_ps(_mm256_castsi256_ps(live_mask8(live)),
+                                   exp_clamped8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), mv)));
+    _mm256_storeu_ps(sc + s, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  return reduce8(sum, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
+}
 #else
 inline float block_max(const float* sc, int64_t vis) {
   float mx = kNegInf;
