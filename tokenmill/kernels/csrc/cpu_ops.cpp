@@ -504,34 +504,119 @@ inline void row_tiles(int64_t nrows, F&& f) {
   }
 }
 
-// the scores of nrows query rows for one block's keys, row r's at sc[r * sc_stride ..]
+// scores of R rows for the 2 W keys at kt[.. + kc]: each query element broadcast once for
+// both key registers (rows_scores broadcasts it once per W keys), 2 R accumulators
+template <int64_t N, int64_t R, typename T>
+inline void rows_scores2(const float* q, const T* kt, const float* ks, int64_t block_size,
+                         int64_t kc, float* sc, int64_t sc_stride) {
+  constexpr int64_t D = N * Vec::W;
+  Vec a[R], b[R];
+  for (int64_t r = 0; r < R; ++r) a[r] = b[r] = Vec::zero();
+  for (int64_t d = 0; d < D; ++d) {
+    const Vec k0 = Vec::load(kt + d * block_size + kc);
+    const Vec k1 = Vec::load(kt + d * block_size + kc + Vec::W);
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec qv = Vec::set1(q[r * D + d]);
+      a[r] = Vec::fma(qv, k0, a[r]);
+      b[r] = Vec::fma(qv, k1, b[r]);
+    }
+  }
+  if constexpr (std::is_same<T, int8_t>::value) {
+    const Vec s0 = Vec::load(ks + kc), s1 = Vec::load(ks + kc + Vec::W);
+    for (int64_t r = 0; r < R; ++r) {
+      Vec::mul(a[r], s0).store(sc + r * sc_stride + kc);
+      Vec::mul(b[r], s1).store(sc + r * sc_stride + kc + Vec::W);
+    }
+  } else {
+    for (int64_t r = 0; r < R; ++r) {
+      a[r].store(sc + r * sc_stride + kc);
+      b[r].store(sc + r * sc_stride + kc + Vec::W);
+    }
+  }
+}
+
+// the scores of nrows query rows for one block's keys, row r's at sc[r * sc_stride ..]: 2 W
+// keys at a time in tiles of up to kScoreRows rows while the block has them, then W at a time
 template <int64_t N, typename T>
 void block_scores(const float* qbuf, const T* kt, const float* ks, float* sc, int64_t sc_stride,
                   int64_t nrows, int64_t nvalid, int64_t block_size) {
-  for (int64_t kc = 0; kc < nvalid; kc += Vec::W)
+  // 2 R accumulators, two key registers and a broadcast within the 16 (AVX2) or 32 registers
+  constexpr int64_t kScoreRows = Vec::W == 16 ? 12 : 6;
+  int64_t kc = 0;
+  for (; kc + 2 * Vec::W <= block_size && kc < nvalid; kc += 2 * Vec::W) {
+    int64_t row = 0;
+    for (; row + kScoreRows <= nrows; row += kScoreRows)
+      rows_scores2<N, kScoreRows>(qbuf + row * N * Vec::W, kt, ks, block_size, kc,
+                                  sc + row * sc_stride, sc_stride);
+    const float* q = qbuf + row * N * Vec::W;
+    float* out = sc + row * sc_stride;
+    switch (nrows - row) {
+#define TOKENMILL_SCORE_ROWS(r) \
+  case r: rows_scores2<N, r>(q, kt, ks, block_size, kc, out, sc_stride); break;
+      TOKENMILL_SCORE_ROWS(1) TOKENMILL_SCORE_ROWS(2) TOKENMILL_SCORE_ROWS(3)
+      TOKENMILL_SCORE_ROWS(4) TOKENMILL_SCORE_ROWS(5) TOKENMILL_SCORE_ROWS(6)
+      TOKENMILL_SCORE_ROWS(7) TOKENMILL_SCORE_ROWS(8) TOKENMILL_SCORE_ROWS(9)
+      TOKENMILL_SCORE_ROWS(10) TOKENMILL_SCORE_ROWS(11)
+#undef TOKENMILL_SCORE_ROWS
+      default: break;
+    }
+  }
+  for (; kc < nvalid; kc += Vec::W)
     row_tiles(nrows, [&](auto tile, int64_t row) {
       rows_scores<N, decltype(tile)::value>(qbuf + row * N * Vec::W, kt, ks, block_size, kc,
                                             sc + row * sc_stride, sc_stride);
     });
 }
 
-// acc[row] += sum_s p[row][s] * V[s], each row's accumulator held in registers over the keys
+// acc[row][c .. c + H) += sum_s p[row][s] * V[s][c .. c + H) (in registers) for R rows and
+// H registers of the head: each V register loaded once for R rows, each probability broadcast
+// once for H registers
+template <int64_t N, int64_t R, int64_t H, typename T>
+inline void rows_values(const float* sc, int64_t sc_stride, const T* vblock, int64_t v_stride,
+                        float* acc, int64_t c, int64_t nvalid) {
+  constexpr int64_t D = N * Vec::W;
+  Vec a[R][H];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h) a[r][h] = Vec::load(acc + r * D + (c + h) * Vec::W);
+  for (int64_t s = 0; s < nvalid; ++s) {
+    Vec p[R];
+    for (int64_t r = 0; r < R; ++r) p[r] = Vec::set1(sc[r * sc_stride + s]);
+    const T* v = vblock + s * v_stride + c * Vec::W;
+    for (int64_t h = 0; h < H; ++h) {
+      const Vec vv = Vec::load(v + h * Vec::W);
+      for (int64_t r = 0; r < R; ++r) a[r][h] = Vec::fma(p[r], vv, a[r][h]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h) a[r][h].store(acc + r * D + (c + h) * Vec::W);
+}
+
+// acc[row] += sum_s p[row][s] * V[s] for one block: tiles of kValueRows rows by kValueRegs
+// registers of the head (a masked probability is 0 and adds nothing)
 template <int64_t N, typename T>
 void block_values(const float* sc, int64_t sc_stride, const T* vblock, int64_t v_stride,
                   float* acc, int64_t nrows, int64_t nvalid) {
   constexpr int64_t D = N * Vec::W;
-  for (int64_t row = 0; row < nrows; ++row) {
-    float* arow = acc + row * D;
+  // R H accumulators, R broadcasts and a V register within the 16 (AVX2) or 32 registers
+  constexpr int64_t kValueRows = Vec::W == 16 ? 4 : 3, kValueRegs = 4;
+  constexpr int64_t kWhole = N / kValueRegs * kValueRegs, kRest = N - kWhole;
+  auto tile = [&](auto rows, int64_t row) {
+    constexpr int64_t R = decltype(rows)::value;
     const float* p = sc + row * sc_stride;
-    Vec a[N];
-    for (int64_t i = 0; i < N; ++i) a[i] = Vec::load(arow + i * Vec::W);
-    for (int64_t s = 0; s < nvalid; ++s) {
-      if (p[s] == 0.0f) continue;
-      const Vec pv = Vec::set1(p[s]);
-      const T* v = vblock + s * v_stride;
-      for (int64_t i = 0; i < N; ++i) a[i] = Vec::fma(pv, Vec::load(v + i * Vec::W), a[i]);
-    }
-    for (int64_t i = 0; i < N; ++i) a[i].store(arow + i * Vec::W);
+    float* a = acc + row * D;
+    for (int64_t c = 0; c < kWhole; c += kValueRegs)
+      rows_values<N, R, kValueRegs>(p, sc_stride, vblock, v_stride, a, c, nvalid);
+    if constexpr (kRest > 0)
+      rows_values<N, R, kRest>(p, sc_stride, vblock, v_stride, a, kWhole, nvalid);
+  };
+  int64_t row = 0;
+  for (; row + kValueRows <= nrows; row += kValueRows)
+    tile(std::integral_constant<int64_t, kValueRows>{}, row);
+  switch (nrows - row) {
+    case 3: tile(std::integral_constant<int64_t, 3>{}, row); break;
+    case 2: tile(std::integral_constant<int64_t, 2>{}, row); break;
+    case 1: tile(std::integral_constant<int64_t, 1>{}, row); break;
+    default: break;
   }
 }
 
