@@ -136,7 +136,9 @@ def held_by_cache(dense, kv_cache_dtype: str):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3), (8, 1)])
-@pytest.mark.parametrize("head_dim", [32, 64])  # 64: the transposed-block path for wide tiles
+# 64: the transposed-block path for wide tiles; 80 (10 registers on AVX2, 5 on AVX512): value
+# tiles of 4 head registers and a remainder
+@pytest.mark.parametrize("head_dim", [32, 64, 80])
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [
     (torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "int8"),
     (torch.bfloat16, "int8"), (torch.float32, "bfloat16")])  # bf16 under bf16 is "auto"
