@@ -490,18 +490,20 @@ inline void rows_scores(const float* q, const T* kt, const float* ks, int64_t bl
   }
 }
 
-// f(std::integral_constant<int64_t, R>{}, row) for the rows in tiles of R = 4, then one tile of
-// the 1-3 left
-template <typename F>
+// f(std::integral_constant<int64_t, n>{}, row) for the n = R + 1 that equals left, if any
+template <typename F, int64_t... R>
+inline void last_tile(std::integer_sequence<int64_t, R...>, int64_t left, int64_t row, F& f) {
+  (void)((left == R + 1 ? (f(std::integral_constant<int64_t, R + 1>{}, row), true) : false) ||
+         ...);
+}
+
+// f(std::integral_constant<int64_t, R>{}, row) for the rows in tiles of R = Tile, then one tile
+// of the 1 .. Tile - 1 left
+template <int64_t Tile, typename F>
 inline void row_tiles(int64_t nrows, F&& f) {
   int64_t row = 0;
-  for (; row + 4 <= nrows; row += 4) f(std::integral_constant<int64_t, 4>{}, row);
-  switch (nrows - row) {
-    case 3: f(std::integral_constant<int64_t, 3>{}, row); break;
-    case 2: f(std::integral_constant<int64_t, 2>{}, row); break;
-    case 1: f(std::integral_constant<int64_t, 1>{}, row); break;
-    default: break;
-  }
+  for (; row + Tile <= nrows; row += Tile) f(std::integral_constant<int64_t, Tile>{}, row);
+  last_tile(std::make_integer_sequence<int64_t, Tile - 1>(), nrows - row, row, f);
 }
 
 // scores of R rows for the 2 W keys at kt[.. + kc]: each query element broadcast once for
@@ -544,25 +546,13 @@ void block_scores(const float* qbuf, const T* kt, const float* ks, float* sc, in
   constexpr int64_t kScoreRows = Vec::W == 16 ? 12 : 6;
   int64_t kc = 0;
   for (; kc + 2 * Vec::W <= block_size && kc < nvalid; kc += 2 * Vec::W) {
-    int64_t row = 0;
-    for (; row + kScoreRows <= nrows; row += kScoreRows)
-      rows_scores2<N, kScoreRows>(qbuf + row * N * Vec::W, kt, ks, block_size, kc,
-                                  sc + row * sc_stride, sc_stride);
-    const float* q = qbuf + row * N * Vec::W;
-    float* out = sc + row * sc_stride;
-    switch (nrows - row) {
-#define TOKENMILL_SCORE_ROWS(r) \
-  case r: rows_scores2<N, r>(q, kt, ks, block_size, kc, out, sc_stride); break;
-      TOKENMILL_SCORE_ROWS(1) TOKENMILL_SCORE_ROWS(2) TOKENMILL_SCORE_ROWS(3)
-      TOKENMILL_SCORE_ROWS(4) TOKENMILL_SCORE_ROWS(5) TOKENMILL_SCORE_ROWS(6)
-      TOKENMILL_SCORE_ROWS(7) TOKENMILL_SCORE_ROWS(8) TOKENMILL_SCORE_ROWS(9)
-      TOKENMILL_SCORE_ROWS(10) TOKENMILL_SCORE_ROWS(11)
-#undef TOKENMILL_SCORE_ROWS
-      default: break;
-    }
+    row_tiles<kScoreRows>(nrows, [&](auto tile, int64_t row) {
+      rows_scores2<N, decltype(tile)::value>(qbuf + row * N * Vec::W, kt, ks, block_size, kc,
+                                             sc + row * sc_stride, sc_stride);
+    });
   }
   for (; kc < nvalid; kc += Vec::W)
-    row_tiles(nrows, [&](auto tile, int64_t row) {
+    row_tiles<4>(nrows, [&](auto tile, int64_t row) {
       rows_scores<N, decltype(tile)::value>(qbuf + row * N * Vec::W, kt, ks, block_size, kc,
                                             sc + row * sc_stride, sc_stride);
     });
@@ -609,15 +599,7 @@ void block_values(const float* sc, int64_t sc_stride, const T* vblock, int64_t v
     if constexpr (kRest > 0)
       rows_values<N, R, kRest>(p, sc_stride, vblock, v_stride, a, kWhole, nvalid);
   };
-  int64_t row = 0;
-  for (; row + kValueRows <= nrows; row += kValueRows)
-    tile(std::integral_constant<int64_t, kValueRows>{}, row);
-  switch (nrows - row) {
-    case 3: tile(std::integral_constant<int64_t, 3>{}, row); break;
-    case 2: tile(std::integral_constant<int64_t, 2>{}, row); break;
-    case 1: tile(std::integral_constant<int64_t, 1>{}, row); break;
-    default: break;
-  }
+  row_tiles<kValueRows>(nrows, tile);
 }
 
 #if defined(__AVX512BF16__)
@@ -671,7 +653,7 @@ template <int64_t N>
 void block_scores_bf16(const uint16_t* qbuf, const uint16_t* kt, float scale, float* sc,
                        int64_t sc_stride, int64_t nrows, int64_t nvalid, int64_t block_size) {
   for (int64_t kc = 0; kc < nvalid; kc += 16)
-    row_tiles(nrows, [&](auto tile, int64_t row) {
+    row_tiles<4>(nrows, [&](auto tile, int64_t row) {
       rows_scores_bf16<N, decltype(tile)::value>(qbuf + row * N * 16, kt, block_size, kc, scale,
                                                  sc + row * sc_stride, sc_stride);
     });
