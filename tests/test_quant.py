@@ -200,6 +200,15 @@ def test_concat_rows_joins_one_format_only():
 
 # ---- whole models ------------------------------------------------------------------------
 
+def _packed_in_bits(m: Linear) -> bool:
+    return m.packed_f32 is not None and m.packed_f32.dtype == torch.uint8
+
+
+def _kind(m: Linear) -> str | None:
+    """The layer's quantized format, kept as it is or packed in its bits."""
+    return m.quant.kind if m.quant is not None else m.packed_kind
+
+
 def _logits(loaded, ids: list[int]) -> torch.Tensor:
     runner = ModelRunner(loaded, num_blocks=32, block_size=4)
     table = list(range(1, -(-len(ids) // 4) + 1))
@@ -219,10 +228,14 @@ def test_quantized_gguf_model_runs_from_its_blocks(tmp_path, qtype, arch, monkey
     dense = load_model(str(path), "cpu", "float32", "torch", "none")
     kept = load_model(str(path), "cpu", "float32", "auto", "auto")
     linears = [m for m in kept.model.modules() if isinstance(m, Linear)]
-    assert all(m.quant is not None and m.weight is None for m in linears)
+    # every layer in its blocks: as they are, or packed in their bits for the float32 GEMM
+    assert all(m.weight is None and (m.quant is not None) != _packed_in_bits(m) for m in linears)
+    assert any(_packed_in_bits(m) for m in linears) == (OPS is not None and OPS.f32_pack_cols > 0)
     assert kept.quantization.startswith(qtype.lower())
     if arch == "smollm2":  # tied: the embedding is looked up from the output layer's blocks
-        assert kept.model.model.embed_tokens.quant is kept.model.lm_head.quant
+        head = kept.model.lm_head
+        assert kept.model.model.embed_tokens.quant is not None
+        assert head.quant is None or kept.model.model.embed_tokens.quant is head.quant
     # same weights, so the same logits (float32, up to the order of the sums)
     assert torch.allclose(_logits(kept, ids), _logits(dense, ids), atol=2e-4, rtol=1e-4)
     if OPS is not None and OPS.has_int8_dot:
@@ -241,8 +254,8 @@ def test_float_model_quantized_at_load(tmp_path, quantization, tol):
     ids = [3, 17, 42, 5, 88, 1, 60, 29, 11]
     dense = _logits(load_model(str(path), "cpu", "float32", "auto", "none"), ids)
     loaded = load_model(str(path), "cpu", "float32", "auto", quantization)
-    assert loaded.model.lm_head.quant.kind == "int8"  # the output layer keeps 8 bits
-    kinds = {m.quant.kind for m in loaded.model.modules()
+    assert _kind(loaded.model.lm_head) == "int8"  # the output layer keeps 8 bits
+    kinds = {_kind(m) for m in loaded.model.modules()
              if isinstance(m, Linear) and m is not loaded.model.lm_head}
     assert kinds == {quantization}
     got = _logits(loaded, ids)
@@ -315,3 +328,72 @@ def test_default_model_keeps_its_gguf_blocks(default_gguf_path):
             # the file's own size per weight: Q4_1 20 bytes per 32, Q8_0 34
             per_block = 20 if m.quant.kind == "q4_1" else 34
             assert m.quant.nbytes() == w.numel() // 32 * per_block
+
+
+needs_f32_gemm = pytest.mark.skipif(OPS is None or not OPS.f32_pack_cols,
+                                    reason="no float32 GEMM kernels (AVX2 or AVX512)")
+
+
+@needs_f32_gemm
+@pytest.mark.parametrize("quantize", [Q.quantize_int4, Q.quantize_int8])
+@pytest.mark.parametrize("blocks,k", [(1, 32), (3, 64), (5, 96), (12, 576)])
+def test_weight_packed_in_its_bits_sums_like_the_float32_weight(quantize, blocks, k):
+    """A 4/8-bit weight packed for the float32 GEMM (widened in registers up to a tile's rows,
+    through a shared panel beyond) gives the float32 weight's sums exactly: same values, same
+    order. Column blocks 1, 3, 5 and 12 leave every remainder of the 4-block tasks; the rows
+    cover the register tiles of 1-2 rows (4 blocks at once), up to 8 / 16, and the panel."""
+    n = blocks * OPS.f32_pack_cols
+    qw = quantize(weights(n, k, seed=blocks))
+    dense = OPS.pack_f32_weight(Q.dequantize(qw))
+    packed = OPS.pack_f32_quant_weight(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == n * k * (0.75 if qw.bits == 4 else 1.125)
+    gen = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=gen)
+    for rows in (1, 2, 3, 5, 8, 9, 16, 17, 40):
+        x = torch.randn(rows, k, generator=gen)
+        for b in (None, bias):
+            want = OPS.linear_f32_packed(x, dense, b)
+            assert torch.equal(OPS.linear_f32_packed(x, packed, b), want), (rows, b is None)
+        # a row view with a stride (a slice of a wider tensor), as the layers pass them
+        wide = torch.randn(rows, k + 32, generator=gen)[:, 32:]
+        assert torch.equal(OPS.linear_f32_packed(wide, packed, None),
+                           OPS.linear_f32_packed(wide, dense, None))
+
+
+@needs_f32_gemm
+def test_packing_in_bits_refuses_what_it_cannot_hold():
+    qw = Q.quantize_int4(weights(OPS.f32_pack_cols, 64))
+    with pytest.raises(RuntimeError, match="offsets"):
+        OPS.pack_f32_quant_weight(qw.qweight, qw.scales, None, 4, 32)
+    with pytest.raises(RuntimeError, match="groups of 32"):
+        OPS.pack_f32_quant_weight(qw.qweight, qw.scales, qw.zeros, 4, 64)
+    odd = Q.quantize_int8(weights(OPS.f32_pack_cols + 1, 64))
+    with pytest.raises(RuntimeError, match="multiple"):
+        OPS.pack_f32_quant_weight(odd.qweight, odd.scales, None, 8, 32)
+
+
+@needs_f32_gemm
+def test_default_model_in_its_blocks_gives_the_float32_logits(default_gguf_path):
+    """--quantization auto on a float32 model: the Q4_1 / Q8_0 blocks packed in their bits for
+    the float32 GEMM give the float32 model's logits bit for bit, eager and fused, on prompts of
+    1 to 40 tokens and a batch of decode rows."""
+    dense = load_model(str(default_gguf_path), "cpu", "float32", "auto", "none")
+    kept = load_model(str(default_gguf_path), "cpu", "float32", "auto", "auto")
+    linears = [m for m in kept.model.modules() if isinstance(m, Linear)]
+    assert linears and all(_packed_in_bits(m) for m in linears)
+    runners = [ModelRunner(m, num_blocks=64, block_size=16) for m in (dense, kept)]
+    gen = torch.Generator().manual_seed(0)
+    for fused in (False, True):
+        if fused:
+            assert [r.fuse_cpu_step() for r in runners] == ["fused", "fused"]
+        for length in (1, 3, 9, 40):
+            ids = torch.randint(100, 40000, (length,), generator=gen).tolist()
+            chunk = Chunk(ids, 0, list(range(-(-length // 16))))
+            a, b = (r.forward([chunk], all_logits=True) for r in runners)
+            assert torch.equal(a, b), (fused, length)
+        # eight one-token rows at different positions of their own blocks (decode)
+        chunks = [Chunk([int(t)], p, [4 + i]) for i, (t, p) in
+                  enumerate(zip(torch.randint(100, 40000, (8,), generator=gen), range(8)))]
+        a, b = (r.forward(chunks) for r in runners)
+        assert torch.equal(a, b), fused

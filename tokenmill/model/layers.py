@@ -46,7 +46,9 @@ class Linear(nn.Module):
         self.bias = empty_param(out_features) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (CPU, fp32)
         # float32 with the CPU kernels (AVX2/AVX512): the weight in their column-block layout
+        # (float32; or uint8 for a 4/8-bit weight kept in its bits, widened as it is multiplied)
         self.packed_f32: torch.Tensor | None = None
+        self.packed_kind: str | None = None  # the quantized format packed_f32 holds, if any
         # bf16 on a CPU with AVX512-BF16: the weight in the kernels' vdpbf16ps layout
         self.packed_bf16: torch.Tensor | None = None
         # a gate/up layer whose packed blocks are interleaved: forward gives silu(gate) * up
@@ -115,8 +117,16 @@ class Linear(nn.Module):
         self.quant = qw.to(self.weight.device)
         self.weight = None
 
-    def pack_for_cpu(self, keep_dense: bool, ops=None) -> bool:
+    def pack_for_cpu(self, keep_dense: bool, ops=None, dtype: torch.dtype | None = None) -> bool:
         """Move the weight into the layout of the kernel that multiplies it best on a CPU.
+
+        A quantized weight (``quant``) in a float32 model (``dtype``) with the CPU kernels'
+        float32 GEMM, in 4 or 8 bits in groups of 32 with float16 scales (a GGUF's Q4_0 / Q4_1
+        / Q8_0, or int4 / int8): that GEMM's layout in its own bits (``csrc/f32_gemm.h``),
+        widened to float32 as it is multiplied. The sums are those of the dequantized float32
+        weight through the same GEMM, bit for bit, and it reads 0.75 / 1.125 bytes per weight
+        instead of 4: the whole linear work of the default model's decode step 2.2x faster at
+        one row, 1.2-1.3x at 4-8 rows, within 3% at 16 rows and more (Zen 3, 2 cores).
 
         float32 with the CPU kernels on AVX2/AVX512 (N a multiple of their register width):
         their column-block layout (``csrc/f32_gemm.h``), ahead of oneDNN's prepacked weights
@@ -131,6 +141,8 @@ class Linear(nn.Module):
         The dense copy is dropped unless another module shares it (tied embeddings). Returns
         whether the weight was packed.
         """
+        if self.quant is not None:
+            return self._pack_quant_f32(ops, dtype)
         w = self.weight
         if w is None or w.device.type != "cpu":
             return False
@@ -146,6 +158,21 @@ class Linear(nn.Module):
             return False
         if not keep_dense:
             self.weight = None
+        return True
+
+    def _pack_quant_f32(self, ops, dtype: torch.dtype | None) -> bool:
+        qw = self.quant
+        if not (dtype == torch.float32 and ops is not None and getattr(ops, "f32_pack_cols", 0)
+                and hasattr(ops, "pack_f32_quant_weight") and qw.qweight.device.type == "cpu"
+                and qw.bits in (4, 8) and qw.group_size == 32 and not qw.int8_activations
+                and qw.qweight.dtype == (torch.uint8 if qw.bits == 4 else torch.int8)
+                and qw.scales.dtype == torch.float16 and qw.shape[0] % ops.f32_pack_cols == 0
+                and (qw.bits == 8 or qw.zeros is not None)):
+            return False
+        self.packed_f32 = ops.pack_f32_quant_weight(qw.qweight, qw.scales, qw.zeros, qw.bits,
+                                                    qw.group_size)
+        self.packed_kind = qw.kind
+        self.quant = None  # a tied embedding keeps its own reference to the blocks
         return True
 
     def gate_in_epilogue(self) -> bool:
@@ -164,15 +191,17 @@ class Linear(nn.Module):
         return True
 
 
-def pack_linear_weights(module: nn.Module, ops=None) -> int:
+def pack_linear_weights(module: nn.Module, ops=None, dtype: torch.dtype | None = None) -> int:
     """``Linear.pack_for_cpu`` over every linear layer of ``module`` (``ops``: the compiled CPU
-    kernels, when in use); returns how many."""
+    kernels, when in use; ``dtype``: the model's compute dtype); returns how many."""
     uses: dict[int, int] = {}
     for _, param in module.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
     packed = 0
     for layer in module.modules():
-        if isinstance(layer, Linear) and layer.weight is not None:
+        if isinstance(layer, Linear) and layer.quant is not None:
+            packed += layer.pack_for_cpu(keep_dense=False, ops=ops, dtype=dtype)
+        elif isinstance(layer, Linear) and layer.weight is not None:
             packed += layer.pack_for_cpu(keep_dense=uses[id(layer.weight)] > 1, ops=ops)
     return packed
 

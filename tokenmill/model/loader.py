@@ -85,7 +85,7 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     load_weights(module, weights, str(source.path))
     described = quantize_model(module, quantization)
     ops = getattr(backend, "ops", None)  # the compiled CPU kernels also fuse the layers' steps
-    pack_linear_weights(module, ops)
+    pack_linear_weights(module, ops, getattr(torch, cfg.dtype))
     for layer in module.modules():
         if hasattr(layer, "cpu_ops"):
             layer.cpu_ops = ops

@@ -1383,6 +1383,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 #ifdef TOKENMILL_HAS_F32_GEMM
   m.def("pack_f32_weight", &pack_f32_weight, "a float32 weight in linear_f32_packed's layout");
+  m.def("pack_f32_quant_weight", &pack_f32_quant_weight,
+        "a 4- or 8-bit weight (groups of 32) in linear_f32_packed's layout, kept in its bits");
   m.def("linear_f32_packed", &linear_f32_packed,
         "float32 linear over a packed weight, any number of rows (AVX2 or AVX512)", release());
   m.attr("f32_pack_cols") = Vec::W;

@@ -29,7 +29,9 @@ class DecoderStack {
   // Per layer, in this order (an empty tensor for a missing bias): input norm weight, packed
   // qkv, qkv bias, packed o, o bias, post-attention norm weight, packed gate/up (bf16: column
   // blocks interleaved, see linear_bf16_packed_silu, and no bias), gate/up bias, packed down,
-  // down bias. All weights bf16 (packed by pack_bf16_weight) or all float32 (pack_f32_weight).
+  // down bias. All weights bf16 (packed by pack_bf16_weight), or all for the float32 GEMM
+  // (pack_f32_weight, or pack_f32_quant_weight for weights kept in 4 or 8 bits); the norm
+  // weights are in the compute dtype.
   static constexpr size_t kPerLayer = 10;
 
   DecoderStack(const std::vector<at::Tensor>& weights, int64_t heads, int64_t kv_heads,
@@ -38,9 +40,9 @@ class DecoderStack {
         tile_(tile), cascade_tile_(cascade_tile) {
     TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
                 "DecoderStack: ", kPerLayer, " tensors per layer");
-    dtype_ = weights[1].scalar_type();
+    dtype_ = weights[0].scalar_type();  // the norm's: a float32 GEMM's weights may be 4/8-bit
     TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kFloat,
-                "DecoderStack: bf16 or float32 weights, got ", dtype_);
+                "DecoderStack: a bf16 or float32 model, got ", dtype_);
 #ifndef TOKENMILL_HAS_BF16_GEMM
     TORCH_CHECK(dtype_ == at::kFloat, "DecoderStack: bf16 weights need AVX512-BF16");
 #endif

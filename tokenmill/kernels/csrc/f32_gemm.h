@@ -11,7 +11,22 @@
 // column blocks; the blocks of a task (2 * K * W floats) stay in L2 while every row tile of
 // the batch passes over them. As in bf16_gemm.h, the first row tile of a task prefetches the
 // next task's blocks into L2 while it computes, so the weights stream from memory alongside
-// the products instead of before them. Included by cpu_ops.cpp.
+// the products instead of before them.
+//
+// A weight kept in 4- or 8-bit groups of 32 along K (a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, or
+// --quantization int4 / int8; the formats of model/quant.py) is packed by
+// pack_f32_quant_weight in the same column blocks, group by group:
+//
+//   [N / W column blocks][K / 32 groups][record]
+//   record: W float32 scales, (4 bits) W float32 offsets, then for each of the 32 k the W
+//           weights: 4 bits in W / 2 bytes (lane L in nibble L / (W / 8) of 32-bit word
+//           L % (W / 8), so one broadcast and a shift per lane unpack them), or W int8
+//
+// and each task widens its two column blocks into a float32 panel in this layout (scale * q,
+// then + offset, as model/quant.py's dequantize computes them) before the same row tiles run
+// over it. The sums are those of the dequantized float32 weight packed by pack_f32_weight, bit
+// for bit, while a decode step reads 0.75 (4 bits) or 1.125 (8 bits) bytes per weight from
+// memory instead of 4. Included by cpu_ops.cpp after quant_ops.h.
 
 #pragma once
 
@@ -85,7 +100,7 @@ void f32_tile(const float* x, int64_t x_stride, int64_t k_len, const float* w,
 template <int NB, int... R>
 void f32_rows(std::integer_sequence<int, R...>, const float* x, int64_t x_stride,
               int64_t rows, int64_t k_len, const float* w, int64_t block_stride,
-              const float* bias, float* out, int64_t out_stride) {
+              const float* bias, float* out, int64_t out_stride, bool prefetch) {
   using Tile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const float*,
                         float*, int64_t, bool);
   static constexpr Tile kTiles[] = {f32_tile<R + 1, NB>...};
@@ -93,18 +108,225 @@ void f32_rows(std::integer_sequence<int, R...>, const float* x, int64_t x_stride
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
     const int64_t n = rows / tiles + (t < rows % tiles);
     kTiles[n - 1](x + r * x_stride, x_stride, k_len, w, block_stride, bias,
-                  out + r * out_stride, out_stride, t == 0);
+                  out + r * out_stride, out_stride, prefetch && t == 0);
     r += n;
+  }
+}
+
+constexpr int64_t kF32QGroup = 32;               // weights of K per scale (and offset)
+constexpr int64_t kF32QWords = Vec::W / 8;       // 32-bit words of nibbles per k (4 bits)
+
+constexpr int64_t f32_quant_record(int64_t bits) {
+  return bits == 4 ? 2 * Vec::W * 4 + kF32QGroup * Vec::W / 2 : Vec::W * 4 + kF32QGroup * Vec::W;
+}
+
+at::Tensor pack_f32_quant_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                                 const c10::optional<at::Tensor>& zeros, int64_t bits,
+                                 int64_t group_size) {
+  TORCH_CHECK(group_size == kF32QGroup && (bits == 4 || bits == 8),
+              "pack_f32_quant_weight: 4 or 8 bits in groups of 32");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "pack_f32_quant_weight: qweight uint8 (N, K / 2) for 4 bits, int8 (N, K) for 8");
+  TORCH_CHECK(bits == 8 || (zeros && zeros->defined()),
+              "pack_f32_quant_weight: 4 bits come with offsets");
+  const int64_t n = qweight.size(0), k = qweight.size(1) * (bits == 4 ? 2 : 1);
+  const int64_t groups = k / kF32QGroup;
+  TORCH_CHECK(n % Vec::W == 0 && k % kF32QGroup == 0, "pack_f32_quant_weight: N a multiple of ",
+              Vec::W, ", K of 32");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups,
+              "pack_f32_quant_weight: scales (N, K / 32)");
+  const at::Tensor sc = scales.to(at::kFloat).contiguous();
+  const at::Tensor zc = bits == 4 ? zeros->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(bits == 8 || zc.sizes() == sc.sizes(), "pack_f32_quant_weight: offsets like scales");
+  const int64_t rec = f32_quant_record(bits);
+  at::Tensor packed = at::zeros({n / Vec::W, groups, rec}, qweight.options().dtype(at::kByte));
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sp = sc.data_ptr<float>();
+  const float* zp = bits == 4 ? zc.data_ptr<float>() : nullptr;
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const int64_t row_bytes = qweight.size(1);
+  at::parallel_for(0, n / Vec::W, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* r = dst + (b * groups + g) * rec;
+        float* rs = reinterpret_cast<float*>(r);
+        for (int64_t c = 0; c < Vec::W; ++c) {
+          const int64_t row = b * Vec::W + c;
+          rs[c] = sp[row * groups + g];
+          if (bits == 8) {
+            for (int64_t i = 0; i < kF32QGroup; ++i)
+              r[Vec::W * 4 + i * Vec::W + c] = q[row * row_bytes + g * kF32QGroup + i];
+            continue;
+          }
+          rs[Vec::W + c] = zp[row * groups + g];
+          // GGUF's order: byte j of a group holds weight j (low nibble) and j + 16 (high)
+          const int64_t word = c % kF32QWords, nibble = c / kF32QWords;
+          for (int64_t i = 0; i < kF32QGroup; ++i) {
+            const uint8_t byte = q[row * row_bytes + g * 16 + i % 16];
+            const uint8_t v = i < 16 ? byte & 0x0F : byte >> 4;
+            r[2 * Vec::W * 4 + i * Vec::W / 2 + word * 4 + nibble / 2] |=
+                static_cast<uint8_t>(v << (4 * (nibble % 2)));
+          }
+        }
+      }
+  });
+  return packed;
+}
+
+// 32 weights of W lanes packed in 4 bits (one k of a record), as float32 values 0..15
+inline Vec f32q_nibbles(const uint8_t* p) {
+#if defined(__AVX512F__)
+  int64_t words;
+  std::memcpy(&words, p, 8);
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24,
+                                           28, 28);
+  const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi64(words), shifts),
+                                     _mm512_set1_epi32(0x0F));
+  return {_mm512_cvtepi32_ps(q)};
+#else
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts),
+                                     _mm256_set1_epi32(0x0F));
+  return {_mm256_cvtepi32_ps(q)};
+#endif
+}
+
+// The W float32 weights of column block `rec` (a record's start) at k = i of its group
+template <int64_t BITS>
+inline Vec f32q_weights(const uint8_t* rec, Vec s, Vec z, int64_t i) {
+  if constexpr (BITS == 4)
+    return Vec::add(Vec::mul(f32q_nibbles(rec + 2 * Vec::W * 4 + i * Vec::W / 2), s), z);
+  else
+    return Vec::mul(Vec::load(reinterpret_cast<const int8_t*>(rec + Vec::W * 4) + i * Vec::W), s);
+}
+
+template <int64_t BITS>
+inline void f32q_scales(const uint8_t* rec, Vec& s, Vec& z) {
+  s = Vec::load(reinterpret_cast<const float*>(rec));
+  if constexpr (BITS == 4) z = Vec::load(reinterpret_cast<const float*>(rec) + Vec::W);
+}
+
+// One column block of a packed quantized weight, widened to float32 in pack_f32_weight's
+// layout ([K][W]) at `dst`: the panel that several row tiles then share.
+template <int64_t BITS>
+void f32q_block(const uint8_t* rec, int64_t groups, float* dst) {
+  for (int64_t g = 0; g < groups; ++g, rec += f32_quant_record(BITS), dst += kF32QGroup * Vec::W) {
+    Vec s, z;
+    f32q_scales<BITS>(rec, s, z);
+    for (int64_t i = 0; i < kF32QGroup; ++i) f32q_weights<BITS>(rec, s, z, i).store(dst + i * Vec::W);
+  }
+}
+
+// f32_tile over NB column blocks of a packed quantized weight, widened in registers as they are
+// multiplied: for a batch that one tile holds (decode at small batch), which then reads the
+// weight's bits and nothing else.
+template <int ROWS, int NB, int64_t BITS>
+void f32q_tile(const float* x, int64_t x_stride, int64_t groups, const uint8_t* rec,
+               int64_t block_bytes, const float* bias, float* out, int64_t out_stride) {
+  Vec acc[ROWS][NB];
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = Vec::zero();
+  for (int64_t g = 0; g < groups; ++g, rec += f32_quant_record(BITS), x += kF32QGroup) {
+    Vec s[NB], z[NB];
+    for (int b = 0; b < NB; ++b) f32q_scales<BITS>(rec + b * block_bytes, s[b], z[b]);
+    for (int64_t i = 0; i < kF32QGroup; ++i) {
+      Vec wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = f32q_weights<BITS>(rec + b * block_bytes, s[b], z[b], i);
+      for (int r = 0; r < ROWS; ++r) {
+        const Vec xv = Vec::set1(x[r * x_stride + i]);
+        for (int b = 0; b < NB; ++b) acc[r][b] = Vec::fma(xv, wv[b], acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < NB; ++b) {
+      const Vec v = bias ? Vec::add(acc[r][b], Vec::load(bias + b * Vec::W)) : acc[r][b];
+      v.store(out + r * out_stride + b * Vec::W);
+    }
+}
+
+// Rows of x up to which a quantized weight is widened in registers by the tile that multiplies
+// it, one column block at a time (a tile of ROWS x 1 block: as many FMA chains as rows, one
+// widening per weight); more rows share a widened panel. Up to 2 rows, tiles take 4 blocks, so
+// that 4-8 independent chains hide the FMA latency.
+#if defined(__AVX512F__)
+constexpr int kF32QTileRows = 16;
+#else
+constexpr int kF32QTileRows = 8;
+#endif
+
+// f32q_tile<ROWS, NB> for ROWS = rows at run time (the table's R + 1)
+template <int NB, int64_t BITS, int... R>
+void f32q_rows(std::integer_sequence<int, R...>, const float* x, int64_t x_stride, int64_t rows,
+               int64_t groups, const uint8_t* rec, int64_t block_bytes, const float* bias,
+               float* out, int64_t out_stride) {
+  using Tile = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*,
+                        float*, int64_t);
+  static constexpr Tile kTiles[] = {f32q_tile<R + 1, NB, BITS>...};
+  kTiles[rows - 1](x, x_stride, groups, rec, block_bytes, bias, out, out_stride);
+}
+
+// `nb` column blocks (at most 4) of a packed quantized weight starting at `rec`, times every row
+// of x, into `out`
+template <int64_t BITS>
+void f32q_blocks(const float* x, int64_t x_stride, int64_t rows, int64_t k_len, const uint8_t* rec,
+                 int64_t nb, int64_t block_bytes, const float* bias, float* out,
+                 int64_t out_stride) {
+  const int64_t groups = k_len / kF32QGroup;
+  if (rows <= 2) {
+    const auto two = std::make_integer_sequence<int, 2>();
+    switch (nb) {
+      case 4: return f32q_rows<4, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, bias,
+                                        out, out_stride);
+      case 3: return f32q_rows<3, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, bias,
+                                        out, out_stride);
+      case 2: return f32q_rows<2, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, bias,
+                                        out, out_stride);
+      default: return f32q_rows<1, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, bias,
+                                         out, out_stride);
+    }
+  }
+  if (rows <= kF32QTileRows) {
+    for (int64_t b = 0; b < nb; ++b)
+      f32q_rows<1, BITS>(std::make_integer_sequence<int, kF32QTileRows>(), x, x_stride, rows,
+                         groups, rec + b * block_bytes, block_bytes,
+                         bias ? bias + b * Vec::W : nullptr, out + b * Vec::W, out_stride);
+    return;
+  }
+  thread_local std::vector<float> panel;
+  const int64_t block_stride = k_len * Vec::W;
+  if (static_cast<int64_t>(panel.size()) < 2 * block_stride) panel.resize(2 * block_stride);
+  const auto tiles = std::make_integer_sequence<int, kF32TileRows>();
+  for (int64_t b = 0; b < nb; b += 2) {
+    const int64_t pair = std::min<int64_t>(2, nb - b);
+    for (int64_t i = 0; i < pair; ++i)
+      f32q_block<BITS>(rec + (b + i) * block_bytes, groups, panel.data() + i * block_stride);
+    const float* bb = bias ? bias + b * Vec::W : nullptr;
+    if (pair == 2)
+      f32_rows<2>(tiles, x, x_stride, rows, k_len, panel.data(), block_stride, bb,
+                  out + b * Vec::W, out_stride, false);
+    else
+      f32_rows<1>(tiles, x, x_stride, rows, k_len, panel.data(), block_stride, bb,
+                  out + b * Vec::W, out_stride, false);
   }
 }
 
 at::Tensor linear_f32_packed(const at::Tensor& x, const at::Tensor& packed,
                              const c10::optional<at::Tensor>& bias) {
+  const bool quant = packed.scalar_type() == at::kByte;
+  const int64_t bits = !quant ? 32
+                       : packed.dim() == 3 && packed.size(2) == f32_quant_record(4) ? 4
+                       : packed.dim() == 3 && packed.size(2) == f32_quant_record(8) ? 8 : 0;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-                  packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
-                  packed.is_contiguous() && packed.size(2) == Vec::W &&
-                  packed.size(1) == x.size(1),
-              "linear_f32_packed: float32 x (M, K), weight packed by pack_f32_weight");
+                  packed.dim() == 3 && packed.is_contiguous() && bits &&
+                  (quant ? packed.size(1) * kF32QGroup == x.size(1)
+                         : packed.scalar_type() == at::kFloat && packed.size(2) == Vec::W &&
+                               packed.size(1) == x.size(1)),
+              "linear_f32_packed: float32 x (M, K), weight packed by pack_f32_weight or "
+              "pack_f32_quant_weight");
   const int64_t rows = x.size(0), k_len = x.size(1);
   const int64_t blocks = packed.size(0), n_out = blocks * Vec::W;
   TORCH_CHECK(!bias || !bias->defined() || (bias->scalar_type() == at::kFloat &&
@@ -114,21 +336,41 @@ at::Tensor linear_f32_packed(const at::Tensor& x, const at::Tensor& packed,
   at::Tensor out = at::empty({rows, n_out}, x.options());
   if (rows == 0) return out;
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
+  const float* wp = quant ? nullptr : packed.data_ptr<float>();
+  const uint8_t* qp = quant ? packed.data_ptr<uint8_t>() : nullptr;
+  const int64_t q_block = quant ? packed.size(1) * packed.size(2) : 0;  // bytes per block
   const float* bp = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const auto tiles = std::make_integer_sequence<int, kF32TileRows>();
   // pairs of column blocks per task; a trailing odd block alone
+  const int64_t xs = x.stride(0);
+  if (quant) {  // tasks of 4 column blocks (the tiles of up to 2 rows take them at once)
+    at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b0 = 4 * t, nb = std::min<int64_t>(4, blocks - b0);
+        const float* bb = bp ? bp + b0 * Vec::W : nullptr;
+        if (bits == 4)
+          f32q_blocks<4>(xp, xs, rows, k_len, qp + b0 * q_block, nb, q_block, bb,
+                         op + b0 * Vec::W, n_out);
+        else
+          f32q_blocks<8>(xp, xs, rows, k_len, qp + b0 * q_block, nb, q_block, bb,
+                         op + b0 * Vec::W, n_out);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;
-      const float* w = wp + b0 * block_stride;
+      const bool pair = b0 + 1 < blocks;
       const float* bb = bp ? bp + b0 * Vec::W : nullptr;
       float* o = op + b0 * Vec::W;
-      if (b0 + 1 < blocks)
-        f32_rows<2>(tiles, xp, x.stride(0), rows, k_len, w, block_stride, bb, o, n_out);
+      // the float32 weight streams from memory: the first row tile prefetches the next task's
+      const float* w = wp + b0 * block_stride;
+      if (pair)
+        f32_rows<2>(tiles, xp, xs, rows, k_len, w, block_stride, bb, o, n_out, true);
       else
-        f32_rows<1>(tiles, xp, x.stride(0), rows, k_len, w, block_stride, bb, o, n_out);
+        f32_rows<1>(tiles, xp, xs, rows, k_len, w, block_stride, bb, o, n_out, true);
     }
   });
   return out;
