@@ -374,26 +374,37 @@ def test_packing_in_bits_refuses_what_it_cannot_hold():
 
 
 @needs_f32_gemm
-def test_default_model_in_its_blocks_gives_the_float32_logits(default_gguf_path):
-    """--quantization auto on a float32 model: the Q4_1 / Q8_0 blocks packed in their bits for
-    the float32 GEMM give the float32 model's logits bit for bit, eager and fused, on prompts of
-    1 to 40 tokens and a batch of decode rows."""
+def test_default_model_in_its_blocks_gives_the_float32_logits(default_gguf_path, monkeypatch):
+    """A float32 model keeps the file's Q4_1 / Q8_0 blocks in their bits for the float32 GEMM,
+    unquantized ("none", the default) and with --quantization auto alike, and gives the
+    float32 weights' logits bit for bit, eager and fused, on prompts of 1 to 40 tokens and a
+    batch of decode rows."""
+    from tokenmill.model import loader
+
+    kept = load_model(str(default_gguf_path), "cpu", "float32", "auto", "none")
+    auto = load_model(str(default_gguf_path), "cpu", "float32", "auto", "auto")
+    monkeypatch.setattr(loader, "FLOAT32_IN_BITS", False)
     dense = load_model(str(default_gguf_path), "cpu", "float32", "auto", "none")
-    kept = load_model(str(default_gguf_path), "cpu", "float32", "auto", "auto")
-    linears = [m for m in kept.model.modules() if isinstance(m, Linear)]
-    assert linears and all(_packed_in_bits(m) for m in linears)
-    runners = [ModelRunner(m, num_blocks=64, block_size=16) for m in (dense, kept)]
+    assert dense.quantization == "none"
+    assert kept.quantization == "none (float32 from q4_1 x120, q8_0 x1 kept in their bits)"
+    assert auto.quantization == "q4_1 x120, q8_0 x1"
+    for m in (kept, auto):
+        linears = [x for x in m.model.modules() if isinstance(x, Linear)]
+        assert linears and all(_packed_in_bits(x) for x in linears)
+    assert all(x.packed_f32.dtype == torch.float32 for x in dense.model.modules()
+               if isinstance(x, Linear))
+    runners = [ModelRunner(m, num_blocks=64, block_size=16) for m in (dense, kept, auto)]
     gen = torch.Generator().manual_seed(0)
     for fused in (False, True):
         if fused:
-            assert [r.fuse_cpu_step() for r in runners] == ["fused", "fused"]
+            assert [r.fuse_cpu_step() for r in runners] == ["fused"] * 3
         for length in (1, 3, 9, 40):
             ids = torch.randint(100, 40000, (length,), generator=gen).tolist()
             chunk = Chunk(ids, 0, list(range(-(-length // 16))))
-            a, b = (r.forward([chunk], all_logits=True) for r in runners)
-            assert torch.equal(a, b), (fused, length)
+            want, *got = (r.forward([chunk], all_logits=True) for r in runners)
+            assert all(torch.equal(g, want) for g in got), (fused, length)
         # eight one-token rows at different positions of their own blocks (decode)
         chunks = [Chunk([int(t)], p, [4 + i]) for i, (t, p) in
                   enumerate(zip(torch.randint(100, 40000, (8,), generator=gen), range(8)))]
-        a, b = (r.forward(chunks) for r in runners)
-        assert torch.equal(a, b), fused
+        want, *got = (r.forward(chunks) for r in runners)
+        assert all(torch.equal(g, want) for g in got), fused
