@@ -65,6 +65,27 @@ at::Tensor pack_f32_weight(const at::Tensor& weight) {
   return packed;
 }
 
+// acc[r][b] += x[r][i] * wv[b] for a tile's rows: one step of its FMA chains over k
+template <int ROWS, int NB>
+inline void tile_step(Vec (&acc)[ROWS][NB], const Vec (&wv)[NB], const float* x,
+                      int64_t x_stride, int64_t i) {
+  for (int r = 0; r < ROWS; ++r) {
+    const Vec xv = Vec::set1(x[r * x_stride + i]);
+    for (int b = 0; b < NB; ++b) acc[r][b] = Vec::fma(xv, wv[b], acc[r][b]);
+  }
+}
+
+// a tile's sums, plus the bias, into `out`
+template <int ROWS, int NB>
+inline void tile_store(const Vec (&acc)[ROWS][NB], const float* bias, float* out,
+                       int64_t out_stride) {
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < NB; ++b) {
+      const Vec v = bias ? Vec::add(acc[r][b], Vec::load(bias + b * Vec::W)) : acc[r][b];
+      v.store(out + r * out_stride + b * Vec::W);
+    }
+}
+
 // ROWS rows of x times NB column blocks starting at `w`, plus the bias, into `out`; with
 // `prefetch`, the NB blocks after them are brought into L2 meanwhile.
 template <int ROWS, int NB>
@@ -82,16 +103,9 @@ void f32_tile(const float* x, int64_t x_stride, int64_t k_len, const float* w,
                      _MM_HINT_T1);
     Vec wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = Vec::load(w + b * block_stride + i * Vec::W);
-    for (int r = 0; r < ROWS; ++r) {
-      const Vec xv = Vec::set1(x[r * x_stride + i]);
-      for (int b = 0; b < NB; ++b) acc[r][b] = Vec::fma(xv, wv[b], acc[r][b]);
-    }
+    tile_step(acc, wv, x, x_stride, i);
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int b = 0; b < NB; ++b) {
-      const Vec v = bias ? Vec::add(acc[r][b], Vec::load(bias + b * Vec::W)) : acc[r][b];
-      v.store(out + r * out_stride + b * Vec::W);
-    }
+  tile_store(acc, bias, out, out_stride);
 }
 
 // Every row of x in as few tiles as kF32TileRows allows, of sizes that differ by one at most
@@ -235,17 +249,10 @@ void f32q_tile(const float* x, int64_t x_stride, int64_t groups, const uint8_t* 
     for (int64_t i = 0; i < kF32QGroup; ++i) {
       Vec wv[NB];
       for (int b = 0; b < NB; ++b) wv[b] = f32q_weights<BITS>(rec + b * block_bytes, s[b], z[b], i);
-      for (int r = 0; r < ROWS; ++r) {
-        const Vec xv = Vec::set1(x[r * x_stride + i]);
-        for (int b = 0; b < NB; ++b) acc[r][b] = Vec::fma(xv, wv[b], acc[r][b]);
-      }
+      tile_step(acc, wv, x, x_stride, i);
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int b = 0; b < NB; ++b) {
-      const Vec v = bias ? Vec::add(acc[r][b], Vec::load(bias + b * Vec::W)) : acc[r][b];
-      v.store(out + r * out_stride + b * Vec::W);
-    }
+  tile_store(acc, bias, out, out_stride);
 }
 
 // Rows of x up to which a quantized weight is widened in registers by the tile that multiplies
