@@ -78,8 +78,9 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     # float32 with the kernels' float32 GEMM: a GGUF's quantized blocks stay in their bits even
     # unquantized ("none"), packed for that GEMM, whose sums are then the float32 weight's bit
     # for bit (csrc/f32_gemm.h): the same model in a quarter of the memory, read 3-5x faster
-    in_bits = (FLOAT32_IN_BITS and quantization == "none" and dtype == "float32" and ops is not None
-               and getattr(ops, "f32_pack_cols", 0) > 0 and torch.device(device).type == "cpu")
+    in_bits = (FLOAT32_IN_BITS and quantization == "none" and dtype == "float32"
+               and ops is not None and getattr(ops, "f32_pack_cols", 0) > 0
+               and torch.device(device).type == "cpu")
     source = resolve_model(model)
     if source.kind == "gguf":
         from tokenmill.model.gguf_file import gguf_model_config, gguf_weights, open_gguf
@@ -172,8 +173,8 @@ def quantize_model(module: nn.Module, quantization: str) -> str:
     for layer in linears:
         layer.quant_ops = ops
         qw = layer.quant
-        if (INT8_ACTIVATIONS and quantization != "none" and ops is not None and ops.has_int8_dot and qw is not None
-                and takes_int8_activations(qw)):
+        if (INT8_ACTIVATIONS and quantization != "none" and ops is not None
+                and ops.has_int8_dot and qw is not None and takes_int8_activations(qw)):
             use_int8_activations(qw)
     return ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
 

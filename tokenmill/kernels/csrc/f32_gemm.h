@@ -230,7 +230,8 @@ void f32q_block(const uint8_t* rec, int64_t groups, float* dst) {
   for (int64_t g = 0; g < groups; ++g, rec += f32_quant_record(BITS), dst += kF32QGroup * Vec::W) {
     Vec s, z;
     f32q_scales<BITS>(rec, s, z);
-    for (int64_t i = 0; i < kF32QGroup; ++i) f32q_weights<BITS>(rec, s, z, i).store(dst + i * Vec::W);
+    for (int64_t i = 0; i < kF32QGroup; ++i)
+      f32q_weights<BITS>(rec, s, z, i).store(dst + i * Vec::W);
   }
 }
 
@@ -248,7 +249,8 @@ void f32q_tile(const float* x, int64_t x_stride, int64_t groups, const uint8_t* 
     for (int b = 0; b < NB; ++b) f32q_scales<BITS>(rec + b * block_bytes, s[b], z[b]);
     for (int64_t i = 0; i < kF32QGroup; ++i) {
       Vec wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = f32q_weights<BITS>(rec + b * block_bytes, s[b], z[b], i);
+      for (int b = 0; b < NB; ++b)
+        wv[b] = f32q_weights<BITS>(rec + b * block_bytes, s[b], z[b], i);
       tile_step(acc, wv, x, x_stride, i);
     }
   }
