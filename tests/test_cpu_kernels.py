@@ -230,6 +230,25 @@ def test_packed_f32_linear_matches_float64_reference(rows, n, k, bias):
                                **tol)
 
 
+@pytest.mark.skipif(ops is None or not getattr(ops, "f32_pack_cols", 0), reason="needs AVX2")
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 13, 64, 70])
+@pytest.mark.parametrize("n,k", [(48, 33), (64, 576)])
+def test_packed_f32_linear_adds_the_residual_as_pytorch_does(rows, n, k):
+    """The fused step adds a layer's residual to its o_proj and down outputs as their tiles are
+    stored: the same float32 sums as the linear and then a PyTorch add, bit for bit, with and
+    without a bias and from a residual that is a strided view; a residual of another shape is
+    refused."""
+    g = torch.Generator().manual_seed(rows + n)
+    packed = ops.pack_f32_weight(torch.randn(n, k, generator=g))
+    x = torch.randn(rows, k, generator=g)
+    residual = torch.randn(rows, n + 16, generator=g)[:, 16:]
+    for bias in (None, torch.randn(n, generator=g)):
+        want = ops.linear_f32_packed(x, packed, bias) + residual
+        assert torch.equal(ops.linear_f32_packed_add(x, packed, bias, residual), want)
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.linear_f32_packed_add(x, packed, None, torch.zeros(rows, n - 8))
+
+
 @pytest.mark.skipif(ops is None or not getattr(ops, "has_bf16_gemm", False),
                     reason="needs AVX512-BF16")
 def test_packing_needs_whole_blocks_of_16_features():

@@ -352,9 +352,13 @@ def test_weight_packed_in_its_bits_sums_like_the_float32_weight(quantize, blocks
     bias = torch.randn(n, generator=gen)
     for rows in (1, 2, 3, 5, 8, 9, 16, 17, 40):
         x = torch.randn(rows, k, generator=gen)
+        residual = torch.randn(rows, n, generator=gen)
         for b in (None, bias):
             want = OPS.linear_f32_packed(x, dense, b)
             assert torch.equal(OPS.linear_f32_packed(x, packed, b), want), (rows, b is None)
+            # the residual added as the tiles are stored, as the fused step asks for it
+            assert torch.equal(OPS.linear_f32_packed_add(x, packed, b, residual),
+                               want + residual), (rows, b is None)
         # a row view with a stride (a slice of a wider tensor), as the layers pass them
         wide = torch.randn(rows, k + 32, generator=gen)[:, 32:]
         assert torch.equal(OPS.linear_f32_packed(wide, packed, None),

@@ -1386,6 +1386,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a 4- or 8-bit weight (groups of 32) in linear_f32_packed's layout, kept in its bits");
   m.def("linear_f32_packed", &linear_f32_packed,
         "float32 linear over a packed weight, any number of rows (AVX2 or AVX512)", release());
+  m.def("linear_f32_packed_add", &linear_f32_packed_add,
+        "linear_f32_packed(x, packed, bias) + residual, added as the tiles are stored",
+        release());
   m.attr("f32_pack_cols") = Vec::W;
 #else
   m.attr("f32_pack_cols") = 0;

@@ -12,11 +12,13 @@
 // one), o_proj, RMSNorm with the residual, gate/up with SiLU·mul in its epilogue, down, every
 // linear packed for vdpbf16ps (bf16_gemm.h).
 //
-// float32 (the dtype `auto` picks on a CPU without native bf16) runs the float32 eager path's
-// operations instead, op for op: PyTorch's rms_norm, residual adds, RoPE as multiplies, a
-// subtraction, an addition and a cat, and silu(gate) * up, with every linear on the packed
-// float32 GEMM (f32_gemm.h). Those ops are what keep float32 token-exact against transformers,
-// so they are kept, only called from here. Included by cpu_ops.cpp after both GEMM headers.
+// float32 (the dtype `auto` picks on a CPU without native bf16) computes what the float32 eager
+// path computes, rounding for rounding, which is what keeps it token-exact against
+// transformers: PyTorch's rms_norm and silu(gate) * up, called from here; RoPE by rope_, whose
+// multiplies, subtraction and addition round as the eager path's separate ops do (the kernels
+// are built with -ffp-contract=off); the residual adds in the epilogue of the o_proj and down
+// GEMMs (linear_f32_packed_add: the linear's sum, then + residual), every linear on the packed
+// float32 GEMM (f32_gemm.h). Included by cpu_ops.cpp after both GEMM headers.
 
 #pragma once
 
@@ -143,28 +145,29 @@ class DecoderStack {
 #ifdef TOKENMILL_HAS_F32_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
     const int64_t hidden = h.size(1);
-    const at::Tensor c = a.cos.unsqueeze(1), s = a.sin.unsqueeze(1);  // (T, 1, head_dim / 2)
     auto norm = [&](const at::Tensor& x, const at::Tensor& w) {
       return at::rms_norm(x, {hidden}, w, eps_);
     };
-    at::Tensor residual;
+    at::Tensor residual = h;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      residual = residual.defined() ? h + residual : h;
       h = norm(residual, l.in_norm);
       const at::Tensor qkv = linear_f32_packed(h, l.qkv, l.qkv_bias);
-      const auto halves = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_})
-                              .chunk(2, -1);
-      const at::Tensor& x1 = halves[0];
-      const at::Tensor& x2 = halves[1];
-      const at::Tensor qk_heads = at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1);
+      const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
+      rope_(qk_heads, a.cos, a.sin);  // x1 c - x2 s, x2 c + x1 s: the eager ops' roundings
       at::Tensor out = at::empty({n, heads_, head_dim_}, h.options());
       attend(i, qk_heads.narrow(1, 0, heads_), qk_heads.narrow(1, heads_, kv_heads_),
              qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}), out, a);
-      residual = linear_f32_packed(out.view({n, heads_ * head_dim_}), l.o, l.o_bias) + residual;
+      residual = linear_f32_packed_add(out.view({n, heads_ * head_dim_}), l.o, l.o_bias,
+                                       residual);
       const auto gate_up = linear_f32_packed(norm(residual, l.post_norm), l.gate_up,
                                              l.gate_up_bias).chunk(2, -1);
-      h = linear_f32_packed(at::silu(gate_up[0]) * gate_up[1], l.down, l.down_bias);
+      const at::Tensor act = at::silu(gate_up[0]) * gate_up[1];
+      if (i + 1 == layers_.size()) {  // the last layer's sum is the final norm's
+        h = linear_f32_packed(act, l.down, l.down_bias);
+        break;
+      }
+      residual = linear_f32_packed_add(act, l.down, l.down_bias, residual);
     }
     return {h, residual};
 #else

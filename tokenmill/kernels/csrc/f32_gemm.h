@@ -75,23 +75,38 @@ inline void tile_step(Vec (&acc)[ROWS][NB], const Vec (&wv)[NB], const float* x,
   }
 }
 
-// a tile's sums, plus the bias, into `out`
+// Where a tile's sums go: rows of `out` (`stride` apart), after the bias (N) is added and then,
+// when `add` is set, the rows of a residual (`add_stride` apart): the eager path's
+// (x W^T + b) + r, rounded in that order.
+struct F32Out {
+  float* out;
+  int64_t stride;
+  const float* bias;
+  const float* add;
+  int64_t add_stride;
+  // the same, from row r and column c on
+  F32Out at(int64_t r, int64_t c) const {
+    return {out + r * stride + c, stride, bias ? bias + c : nullptr,
+            add ? add + r * add_stride + c : nullptr, add_stride};
+  }
+};
+
+// a tile's sums, plus the bias and the residual, into `o`
 template <int ROWS, int NB>
-inline void tile_store(const Vec (&acc)[ROWS][NB], const float* bias, float* out,
-                       int64_t out_stride) {
+inline void tile_store(const Vec (&acc)[ROWS][NB], const F32Out& o) {
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < NB; ++b) {
-      const Vec v = bias ? Vec::add(acc[r][b], Vec::load(bias + b * Vec::W)) : acc[r][b];
-      v.store(out + r * out_stride + b * Vec::W);
+      Vec v = o.bias ? Vec::add(acc[r][b], Vec::load(o.bias + b * Vec::W)) : acc[r][b];
+      if (o.add) v = Vec::add(v, Vec::load(o.add + r * o.add_stride + b * Vec::W));
+      v.store(o.out + r * o.stride + b * Vec::W);
     }
 }
 
-// ROWS rows of x times NB column blocks starting at `w`, plus the bias, into `out`; with
-// `prefetch`, the NB blocks after them are brought into L2 meanwhile.
+// ROWS rows of x times NB column blocks starting at `w` into `o`; with `prefetch`, the NB
+// blocks after them are brought into L2 meanwhile.
 template <int ROWS, int NB>
 void f32_tile(const float* x, int64_t x_stride, int64_t k_len, const float* w,
-              int64_t block_stride, const float* bias, float* out, int64_t out_stride,
-              bool prefetch) {
+              int64_t block_stride, const F32Out& o, bool prefetch) {
   Vec acc[ROWS][NB];
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = Vec::zero();
@@ -105,7 +120,7 @@ void f32_tile(const float* x, int64_t x_stride, int64_t k_len, const float* w,
     for (int b = 0; b < NB; ++b) wv[b] = Vec::load(w + b * block_stride + i * Vec::W);
     tile_step(acc, wv, x, x_stride, i);
   }
-  tile_store(acc, bias, out, out_stride);
+  tile_store(acc, o);
 }
 
 // Every row of x in as few tiles as kF32TileRows allows, of sizes that differ by one at most
@@ -114,15 +129,15 @@ void f32_tile(const float* x, int64_t x_stride, int64_t k_len, const float* w,
 template <int NB, int... R>
 void f32_rows(std::integer_sequence<int, R...>, const float* x, int64_t x_stride,
               int64_t rows, int64_t k_len, const float* w, int64_t block_stride,
-              const float* bias, float* out, int64_t out_stride, bool prefetch) {
-  using Tile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const float*,
-                        float*, int64_t, bool);
+              const F32Out& o, bool prefetch) {
+  using Tile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const F32Out&,
+                        bool);
   static constexpr Tile kTiles[] = {f32_tile<R + 1, NB>...};
   const int64_t tiles = (rows + kF32TileRows - 1) / kF32TileRows;
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
     const int64_t n = rows / tiles + (t < rows % tiles);
-    kTiles[n - 1](x + r * x_stride, x_stride, k_len, w, block_stride, bias,
-                  out + r * out_stride, out_stride, prefetch && t == 0);
+    kTiles[n - 1](x + r * x_stride, x_stride, k_len, w, block_stride, o.at(r, 0),
+                  prefetch && t == 0);
     r += n;
   }
 }
@@ -240,7 +255,7 @@ void f32q_block(const uint8_t* rec, int64_t groups, float* dst) {
 // weight's bits and nothing else.
 template <int ROWS, int NB, int64_t BITS>
 void f32q_tile(const float* x, int64_t x_stride, int64_t groups, const uint8_t* rec,
-               int64_t block_bytes, const float* bias, float* out, int64_t out_stride) {
+               int64_t block_bytes, const F32Out& o) {
   Vec acc[ROWS][NB];
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = Vec::zero();
@@ -254,7 +269,7 @@ void f32q_tile(const float* x, int64_t x_stride, int64_t groups, const uint8_t* 
       tile_step(acc, wv, x, x_stride, i);
     }
   }
-  tile_store(acc, bias, out, out_stride);
+  tile_store(acc, o);
 }
 
 // Rows of x up to which a quantized weight is widened in registers by the tile that multiplies
@@ -270,39 +285,31 @@ constexpr int kF32QTileRows = 8;
 // f32q_tile<ROWS, NB> for ROWS = rows at run time (the table's R + 1)
 template <int NB, int64_t BITS, int... R>
 void f32q_rows(std::integer_sequence<int, R...>, const float* x, int64_t x_stride, int64_t rows,
-               int64_t groups, const uint8_t* rec, int64_t block_bytes, const float* bias,
-               float* out, int64_t out_stride) {
-  using Tile = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*,
-                        float*, int64_t);
+               int64_t groups, const uint8_t* rec, int64_t block_bytes, const F32Out& o) {
+  using Tile = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, const F32Out&);
   static constexpr Tile kTiles[] = {f32q_tile<R + 1, NB, BITS>...};
-  kTiles[rows - 1](x, x_stride, groups, rec, block_bytes, bias, out, out_stride);
+  kTiles[rows - 1](x, x_stride, groups, rec, block_bytes, o);
 }
 
 // `nb` column blocks (at most 4) of a packed quantized weight starting at `rec`, times every row
-// of x, into `out`
+// of x, into `o`
 template <int64_t BITS>
 void f32q_blocks(const float* x, int64_t x_stride, int64_t rows, int64_t k_len, const uint8_t* rec,
-                 int64_t nb, int64_t block_bytes, const float* bias, float* out,
-                 int64_t out_stride) {
+                 int64_t nb, int64_t block_bytes, const F32Out& o) {
   const int64_t groups = k_len / kF32QGroup;
   if (rows <= 2) {
     const auto two = std::make_integer_sequence<int, 2>();
     switch (nb) {
-      case 4: return f32q_rows<4, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, bias,
-                                        out, out_stride);
-      case 3: return f32q_rows<3, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, bias,
-                                        out, out_stride);
-      case 2: return f32q_rows<2, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, bias,
-                                        out, out_stride);
-      default: return f32q_rows<1, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, bias,
-                                         out, out_stride);
+      case 4: return f32q_rows<4, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, o);
+      case 3: return f32q_rows<3, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, o);
+      case 2: return f32q_rows<2, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, o);
+      default: return f32q_rows<1, BITS>(two, x, x_stride, rows, groups, rec, block_bytes, o);
     }
   }
   if (rows <= kF32QTileRows) {
     for (int64_t b = 0; b < nb; ++b)
       f32q_rows<1, BITS>(std::make_integer_sequence<int, kF32QTileRows>(), x, x_stride, rows,
-                         groups, rec + b * block_bytes, block_bytes,
-                         bias ? bias + b * Vec::W : nullptr, out + b * Vec::W, out_stride);
+                         groups, rec + b * block_bytes, block_bytes, o.at(0, b * Vec::W));
     return;
   }
   thread_local std::vector<float> panel;
@@ -313,18 +320,19 @@ void f32q_blocks(const float* x, int64_t x_stride, int64_t rows, int64_t k_len, 
     const int64_t pair = std::min<int64_t>(2, nb - b);
     for (int64_t i = 0; i < pair; ++i)
       f32q_block<BITS>(rec + (b + i) * block_bytes, groups, panel.data() + i * block_stride);
-    const float* bb = bias ? bias + b * Vec::W : nullptr;
     if (pair == 2)
-      f32_rows<2>(tiles, x, x_stride, rows, k_len, panel.data(), block_stride, bb,
-                  out + b * Vec::W, out_stride, false);
+      f32_rows<2>(tiles, x, x_stride, rows, k_len, panel.data(), block_stride, o.at(0, b * Vec::W),
+                  false);
     else
-      f32_rows<1>(tiles, x, x_stride, rows, k_len, panel.data(), block_stride, bb,
-                  out + b * Vec::W, out_stride, false);
+      f32_rows<1>(tiles, x, x_stride, rows, k_len, panel.data(), block_stride, o.at(0, b * Vec::W),
+                  false);
   }
 }
 
-at::Tensor linear_f32_packed(const at::Tensor& x, const at::Tensor& packed,
-                             const c10::optional<at::Tensor>& bias) {
+// x (M, K) times a packed weight, plus the bias and then, when `residual` is defined, the
+// residual (M, N): the sum a decoder layer adds its o_proj and down outputs to.
+at::Tensor linear_f32_impl(const at::Tensor& x, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias, const at::Tensor& residual) {
   const bool quant = packed.scalar_type() == at::kByte;
   const int64_t bits = !quant ? 32
                        : packed.dim() == 3 && packed.size(2) == f32_quant_record(4) ? 4
@@ -341,6 +349,10 @@ at::Tensor linear_f32_packed(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(!bias || !bias->defined() || (bias->scalar_type() == at::kFloat &&
                                             bias->is_contiguous() && bias->numel() == n_out),
               "linear_f32_packed: float32 bias (N)");
+  TORCH_CHECK(!residual.defined() || (residual.scalar_type() == at::kFloat &&
+                                      residual.dim() == 2 && residual.size(0) == rows &&
+                                      residual.size(1) == n_out && residual.stride(1) == 1),
+              "linear_f32_packed_add: float32 residual (M, N) with unit inner stride");
   const int64_t block_stride = k_len * Vec::W;
   at::Tensor out = at::empty({rows, n_out}, x.options());
   if (rows == 0) return out;
@@ -348,41 +360,50 @@ at::Tensor linear_f32_packed(const at::Tensor& x, const at::Tensor& packed,
   const float* wp = quant ? nullptr : packed.data_ptr<float>();
   const uint8_t* qp = quant ? packed.data_ptr<uint8_t>() : nullptr;
   const int64_t q_block = quant ? packed.size(1) * packed.size(2) : 0;  // bytes per block
-  const float* bp = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
+  const F32Out o{out.data_ptr<float>(), n_out,
+                 bias && bias->defined() ? bias->data_ptr<float>() : nullptr,
+                 residual.defined() ? residual.data_ptr<float>() : nullptr,
+                 residual.defined() ? residual.stride(0) : 0};
   const auto tiles = std::make_integer_sequence<int, kF32TileRows>();
-  // pairs of column blocks per task; a trailing odd block alone
   const int64_t xs = x.stride(0);
   if (quant) {  // tasks of 4 column blocks (the tiles of up to 2 rows take them at once)
     at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t b0 = 4 * t, nb = std::min<int64_t>(4, blocks - b0);
-        const float* bb = bp ? bp + b0 * Vec::W : nullptr;
         if (bits == 4)
-          f32q_blocks<4>(xp, xs, rows, k_len, qp + b0 * q_block, nb, q_block, bb,
-                         op + b0 * Vec::W, n_out);
+          f32q_blocks<4>(xp, xs, rows, k_len, qp + b0 * q_block, nb, q_block, o.at(0, b0 * Vec::W));
         else
-          f32q_blocks<8>(xp, xs, rows, k_len, qp + b0 * q_block, nb, q_block, bb,
-                         op + b0 * Vec::W, n_out);
+          f32q_blocks<8>(xp, xs, rows, k_len, qp + b0 * q_block, nb, q_block, o.at(0, b0 * Vec::W));
       }
     });
     return out;
   }
+  // pairs of column blocks per task; a trailing odd block alone
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;
-      const bool pair = b0 + 1 < blocks;
-      const float* bb = bp ? bp + b0 * Vec::W : nullptr;
-      float* o = op + b0 * Vec::W;
       // the float32 weight streams from memory: the first row tile prefetches the next task's
       const float* w = wp + b0 * block_stride;
-      if (pair)
-        f32_rows<2>(tiles, xp, xs, rows, k_len, w, block_stride, bb, o, n_out, true);
+      if (b0 + 1 < blocks)
+        f32_rows<2>(tiles, xp, xs, rows, k_len, w, block_stride, o.at(0, b0 * Vec::W), true);
       else
-        f32_rows<1>(tiles, xp, xs, rows, k_len, w, block_stride, bb, o, n_out, true);
+        f32_rows<1>(tiles, xp, xs, rows, k_len, w, block_stride, o.at(0, b0 * Vec::W), true);
     }
   });
   return out;
+}
+
+at::Tensor linear_f32_packed(const at::Tensor& x, const at::Tensor& packed,
+                             const c10::optional<at::Tensor>& bias) {
+  return linear_f32_impl(x, packed, bias, at::Tensor());
+}
+
+// linear_f32_packed(x, packed, bias) + residual, the residual added as each tile is stored
+at::Tensor linear_f32_packed_add(const at::Tensor& x, const at::Tensor& packed,
+                                 const c10::optional<at::Tensor>& bias,
+                                 const at::Tensor& residual) {
+  TORCH_CHECK(residual.defined(), "linear_f32_packed_add: a residual");
+  return linear_f32_impl(x, packed, bias, residual);
 }
 
 }  // namespace
