@@ -249,6 +249,22 @@ def test_packed_f32_linear_adds_the_residual_as_pytorch_does(rows, n, k):
         ops.linear_f32_packed_add(x, packed, None, torch.zeros(rows, n - 8))
 
 
+@pytest.mark.skipif(ops is None or not getattr(ops, "f32_pack_cols", 0), reason="needs AVX2")
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 57, 2048])
+@pytest.mark.parametrize("n", [33, 96, 576, 4096])
+def test_float32_rms_norm_rounds_as_pytorch_does(rows, n):
+    """The fused float32 step's RMSNorm (the squares and the scaling in the kernel, PyTorch's
+    own mean) equals PyTorch's rms_norm bit for bit: rows whole registers and not, widths with
+    a scalar tail, two eps, values over several magnitudes, and a strided view."""
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    w = torch.randn(n, generator=g)
+    for eps in (1e-5, 1e-6):
+        x = torch.randn(rows, n, generator=g) * torch.rand(rows, 1, generator=g) * 10
+        assert torch.equal(ops.rms_norm_f32(x, w, eps), F.rms_norm(x, (n,), w, eps))
+    wide = torch.randn(rows, n + 40, generator=g)[:, 40:]
+    assert torch.equal(ops.rms_norm_f32(wide, w, 1e-5), F.rms_norm(wide, (n,), w, 1e-5))
+
+
 @pytest.mark.skipif(ops is None or not getattr(ops, "has_bf16_gemm", False),
                     reason="needs AVX512-BF16")
 def test_packing_needs_whole_blocks_of_16_features():

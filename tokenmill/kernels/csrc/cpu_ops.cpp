@@ -1399,5 +1399,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, double, double,
                     int64_t, int64_t>())
       .def("forward", &DecoderStack::forward, release());
+  m.def("rms_norm_f32", &rms_norm_f32,
+        "float32 rms_norm with PyTorch's roundings (its own mean), in three calls", release());
 #endif
 }

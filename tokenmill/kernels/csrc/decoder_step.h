@@ -14,10 +14,11 @@
 //
 // float32 (the dtype `auto` picks on a CPU without native bf16) computes what the float32 eager
 // path computes, rounding for rounding, which is what keeps it token-exact against
-// transformers: PyTorch's rms_norm and silu(gate) * up, called from here; RoPE by rope_, whose
-// multiplies, subtraction and addition round as the eager path's separate ops do (the kernels
-// are built with -ffp-contract=off); the residual adds in the epilogue of the o_proj and down
-// GEMMs (linear_f32_packed_add: the linear's sum, then + residual), every linear on the packed
+// transformers: PyTorch's silu(gate) * up, called from here; rms_norm as PyTorch computes it
+// (rms_norm_f32, with PyTorch's own mean); RoPE by rope_, whose multiplies, subtraction and
+// addition round as the eager path's separate ops do (the kernels are built with
+// -ffp-contract=off); the residual adds in the epilogue of the o_proj and down GEMMs
+// (linear_f32_packed_add: the linear's sum, then + residual), every linear on the packed
 // float32 GEMM (f32_gemm.h). Included by cpu_ops.cpp after both GEMM headers.
 
 #pragma once
@@ -25,6 +26,39 @@
 #if defined(TOKENMILL_HAS_BF16_GEMM) || defined(TOKENMILL_HAS_F32_GEMM)
 
 namespace {
+
+// PyTorch's float32 rms_norm (x (T, N), weight (N)), rounding for rounding, in three calls
+// instead of ~8 dispatched ops: on the CPU, torch runs it as rms_norm_composite (x^2, its mean,
+// + eps, rsqrt, x * that, then * weight). The squares and the scaling are computed here, IEEE
+// operation for operation (rsqrt as 1 / sqrt, which is what torch.rsqrt returns for float32;
+// no FMA contraction); the mean is PyTorch's own, for its summation order.
+at::Tensor rms_norm_f32(const at::Tensor& x_in, const at::Tensor& weight, double eps_d) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat &&
+                  weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.numel() == x_in.size(1),
+              "rms_norm_f32: float32 x (T, N) and weight (N)");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  at::Tensor sq = at::empty_like(x), out = at::empty_like(x);
+  if (x.numel() == 0) return out;
+  float* sp = sq.data_ptr<float>();
+  at::parallel_for(0, rows * n, 32768, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) sp[i] = xp[i] * xp[i];
+  });
+  const at::Tensor mean = at::mean(sq, {1}, true);
+  const float* mp = mean.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float eps = static_cast<float>(eps_d);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float inv = 1.0f / std::sqrt(mp[r] + eps);
+      for (int64_t i = 0; i < n; ++i) op[r * n + i] = (xp[r * n + i] * inv) * wp[i];
+    }
+  });
+  return out;
+}
 
 class DecoderStack {
  public:
@@ -144,10 +178,7 @@ class DecoderStack {
   std::vector<at::Tensor> forward_f32(at::Tensor h, const Step& a) const {
 #ifdef TOKENMILL_HAS_F32_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
-    const int64_t hidden = h.size(1);
-    auto norm = [&](const at::Tensor& x, const at::Tensor& w) {
-      return at::rms_norm(x, {hidden}, w, eps_);
-    };
+    auto norm = [&](const at::Tensor& x, const at::Tensor& w) { return rms_norm_f32(x, w, eps_); };
     at::Tensor residual = h;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
