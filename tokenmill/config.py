@@ -125,10 +125,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Linear weights: "none" (the compute dtype's values; float32 on the CPU kernels keeps a
     # GGUF's quantized blocks in their bits, widened in the GEMM to the same float32 sums),
-    # "int8" (per-channel scales), "int4" (groups of
-    # 32 with scales and offsets), "auto" (a quantized GGUF stays as the file has it: Q8_0 as
-    # int8, Q4_0 / Q4_1 as int4, each with the file's own block scales; else none), "fp8"
-    # (e4m3 with per-channel scales, times per-token fp8 activations; for Hopper GPUs)
+    # "int8" (per-channel scales), "int4" (groups of 32 with scales and offsets), "auto" (a
+    # quantized GGUF stays as the file has it: Q8_0 as int8, Q4_0 / Q4_1 as int4, each with the
+    # file's own block scales; else none), "fp8" (e4m3 with per-channel scales, times per-token
+    # fp8 activations; for Hopper GPUs)
     quantization: str = "none"
     # KV cache storage: "auto" (the compute dtype), "bfloat16" (values rounded to bf16: half a
     # float32 cache), "int8" or "fp8" (e4m3; for GPUs), each with a scale per token and head

@@ -22,11 +22,13 @@
 //           weights: 4 bits in W / 2 bytes (lane L in nibble L / (W / 8) of 32-bit word
 //           L % (W / 8), so one broadcast and a shift per lane unpack them), or W int8
 //
-// and each task widens its two column blocks into a float32 panel in this layout (scale * q,
-// then + offset, as model/quant.py's dequantize computes them) before the same row tiles run
-// over it. The sums are those of the dequantized float32 weight packed by pack_f32_weight, bit
-// for bit, while a decode step reads 0.75 (4 bits) or 1.125 (8 bits) bytes per weight from
-// memory instead of 4. Included by cpu_ops.cpp after quant_ops.h.
+// and widened to float32 (scale * q, then + offset, as model/quant.py's dequantize computes
+// them): for up to kF32QTileRows rows in registers by the tile that multiplies them
+// (f32q_tile), for more rows once per task into a float32 panel in pack_f32_weight's layout,
+// which the same row tiles as a float32 weight's then share. The sums are those of the
+// dequantized float32 weight packed by pack_f32_weight, bit for bit, while a decode step reads
+// 0.75 (4 bits) or 1.125 (8 bits) bytes per weight from memory instead of 4. Included by
+// cpu_ops.cpp after quant_ops.h.
 
 #pragma once
 
