@@ -110,15 +110,16 @@ def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
                                      if stack else kernels_reason)
     assert fp16.fuse_cpu_step() == ("eager: torch.float16 runs eagerly"
                                     if stack else kernels_reason)
-    # int8 weights packed in their bits for the float32 GEMM fuse; kept for the int8-activation
-    # kernels (AVX512-VNNI) they run layer by layer
-    in_bits = all(m.packed_f32 is not None and m.packed_f32.dtype == torch.uint8
-                  for m in int8.model.modules() if isinstance(m, Linear))
+    # int8 weights packed for the float32 GEMM (for int8 activations where the kernels have
+    # them, else in their bits) fuse; left as they are, they run layer by layer
+    packed = all(m.packed_f32 is not None and m.packed_f32.dtype in (torch.uint8, torch.int8)
+                 for m in int8.model.modules() if isinstance(m, Linear))
+    assert packed == (ops is not None and ops.f32_pack_cols > 0)
     assert int8.fuse_cpu_step() == (
-        "fused" if stack and in_bits else
+        "fused" if stack and packed else
         "eager: not every linear layer is a packed float32 weight (quantized, or a size the "
         "kernels do not pack)" if stack else kernels_reason)
-    if in_bits:
+    if packed:
         int8 = ModelRunner(load_model(model_dirs["llama"], "cpu", dtype="float32",
                                       quantization="int8"), num_blocks=64, block_size=BLOCK)
     # bf16 fuses only where the kernels multiply bf16 (AVX512-BF16); elsewhere it says so

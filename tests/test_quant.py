@@ -165,6 +165,85 @@ def test_w4a8_equals_quantized_activations_times_int4_weights(n, k, rows, qtype)
     int8_activation_product(qw, rows)
 
 
+needs_a8_gemm = pytest.mark.skipif(OPS is None or not OPS.a8_pack_cols,
+                                   reason="no int8-activation GEMM (AVX2)")
+
+
+def int8_groups_product(x: torch.Tensor, qw: Q.QuantWeight) -> torch.Tensor:
+    """What a8_gemm.h computes, in float64: each group of 32 of x's rows rounded to int8 with
+    its own scale (absmax / 127, half to even), times the blocks' integers and scales; a 4-bit
+    weight's offsets times the group's exact sum of x."""
+    rows, k = x.shape
+    g = x.reshape(rows, k // 32, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(g * torch.where(d > 0, 1 / d, torch.zeros_like(d))).clamp(-127, 127)
+    xd = (q.double() * d.double()).reshape(rows, k)
+    w = Q.dequantize(qw, torch.float64)
+    if qw.bits == 8:
+        return xd @ w.T
+    z = qw.zeros.double()
+    return xd @ (w - z.repeat_interleave(32, dim=1)).T + g.sum(-1).double() @ z.T
+
+
+@needs_a8_gemm
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k", [(8, 32), (64, 96), (960, 576), (576, 1536)])
+def test_a8_packed_linear_multiplies_int8_groups_of_x(bits, n, k):
+    """linear_f32_packed over a weight packed by pack_a8_weight: x's groups of 32 rounded to
+    int8, the integer products, the scales and offsets; every row-tile remainder and more rows
+    than a panel, a bias and a residual, a strided x, groups of zeros, and the extremes (4-bit
+    15s and 8-bit -128s times +-127: no int16 sum may saturate)."""
+    w = weights(n, k)
+    qw = Q.quantize_int4(w) if bits == 4 else Q.quantize_int8(w)
+    if bits == 8:
+        qw.qweight[2, :32] = -128
+    else:
+        qw.qweight[2, :16] = 0xFF
+    packed = OPS.pack_a8_weight(qw.qweight, qw.scales, qw.zeros, bits, 32)
+    assert packed.dtype == torch.int8 and packed.shape[:2] == (n // 8, k // 32)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (0, 1, 2, 3, 4, 5, 7, 64, 65, 130):
+        x = torch.randn(rows, k + 5, generator=gen)[:, 3:k + 3]  # rows k + 5 apart
+        if rows:
+            x[0, :32] = 0.0
+            x[-1, :32] = torch.where(torch.arange(32) % 2 == 0, 3.0, -3.0)
+        want = int8_groups_product(x, qw)
+        got = OPS.linear_f32_packed(x, packed, None)
+        assert got.shape == (rows, n)
+        if rows:
+            assert ((got.double() - want).abs().max() / want.abs().max()) < 2e-6, rows
+        bias, residual = torch.randn(n, generator=gen), torch.randn(rows, n + 2, generator=gen)
+        added = OPS.linear_f32_packed_add(x, packed, bias, residual[:, :n])
+        assert torch.equal(added, got + bias + residual[:, :n])
+
+
+@needs_a8_gemm
+def test_a8_packing_refuses_what_it_cannot_take():
+    qw = Q.quantize_int4(weights(16, 64))
+    with pytest.raises(RuntimeError, match="offsets"):
+        OPS.pack_a8_weight(qw.qweight, qw.scales, None, 4, 32)
+    odd = Q.quantize_int8(weights(12, 64))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        OPS.pack_a8_weight(odd.qweight, odd.scales, None, 8, 32)
+    packed = OPS.pack_a8_weight(qw.qweight, qw.scales, qw.zeros, 4, 32)
+    with pytest.raises(RuntimeError, match="K = 96"):
+        OPS.linear_f32_packed(torch.randn(2, 96), packed, None)
+
+
+@needs_kernels
+def test_int8_activations_without_their_kernels_run_weights_only():
+    """A weight marked for int8 activations that no int8 kernel takes (no VNNI, not packed:
+    e.g. a bf16 model on AVX2) is multiplied by the weights-only kernels, not refused."""
+    qw = Q.quantize_int4(weights(64, 96))
+    Q.use_int8_activations(qw)
+    x = torch.randn(3, 96)
+    got = Q.quant_linear(x, qw, None, OPS)
+    if OPS.has_int8_dot:  # the VNNI kernel: x rounded to int8
+        assert not torch.allclose(got, x @ Q.dequantize(qw).T, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.allclose(got, x @ Q.dequantize(qw).T, atol=1e-5, rtol=1e-5)
+
+
 def test_int8_activations_need_groups_of_32_in_float16():
     with pytest.raises(ValueError):
         Q.use_int8_activations(Q.quantize_int4(weights(8, 64) * 1e-5))  # float32 scales
@@ -204,6 +283,11 @@ def _packed_in_bits(m: Linear) -> bool:
     return m.packed_f32 is not None and m.packed_f32.dtype == torch.uint8
 
 
+def _packed_a8(m: Linear) -> bool:
+    """Packed for float32's GEMM with int8 activations (pack_a8_weight)."""
+    return m.packed_f32 is not None and m.packed_f32.dtype == torch.int8
+
+
 def _kind(m: Linear) -> str | None:
     """The layer's quantized format, kept as it is or packed in its bits."""
     return m.quant.kind if m.quant is not None else m.packed_kind
@@ -238,10 +322,11 @@ def test_quantized_gguf_model_runs_from_its_blocks(tmp_path, qtype, arch, monkey
         assert head.quant is None or kept.model.model.embed_tokens.quant is head.quant
     # same weights, so the same logits (float32, up to the order of the sums)
     assert torch.allclose(_logits(kept, ids), _logits(dense, ids), atol=2e-4, rtol=1e-4)
-    if OPS is not None and OPS.has_int8_dot:
+    if OPS is not None and (OPS.has_int8_dot or OPS.a8_pack_cols):
         monkeypatch.setattr(loader, "INT8_ACTIVATIONS", True)  # close, not exact
         a8 = load_model(str(path), "cpu", "float32", "auto", "auto")
-        assert a8.model.lm_head.quant.int8_activations
+        head = a8.model.lm_head  # packed for float32's int8-activation GEMM, or the VNNI kernel's
+        assert _packed_a8(head) if OPS.a8_pack_cols else head.quant.int8_activations
         ref = _logits(dense, ids)
         assert 0 < (_logits(a8, ids) - ref).abs().max() < 0.05 * ref.abs().max()
 
@@ -380,12 +465,13 @@ def test_packing_in_bits_refuses_what_it_cannot_hold():
 @needs_f32_gemm
 def test_default_model_in_its_blocks_gives_the_float32_logits(default_gguf_path, monkeypatch):
     """A float32 model keeps the file's Q4_1 / Q8_0 blocks in their bits for the float32 GEMM,
-    unquantized ("none", the default) and with --quantization auto alike, and gives the
-    float32 weights' logits bit for bit, eager and fused, on prompts of 1 to 40 tokens and a
-    batch of decode rows."""
+    unquantized ("none", the default) and with --quantization auto (its int8 activations off)
+    alike, and gives the float32 weights' logits bit for bit, eager and fused, on prompts of 1
+    to 40 tokens and a batch of decode rows."""
     from tokenmill.model import loader
 
     kept = load_model(str(default_gguf_path), "cpu", "float32", "auto", "none")
+    monkeypatch.setattr(loader, "INT8_ACTIVATIONS", False)  # auto, weights only
     auto = load_model(str(default_gguf_path), "cpu", "float32", "auto", "auto")
     monkeypatch.setattr(loader, "FLOAT32_IN_BITS", False)
     dense = load_model(str(default_gguf_path), "cpu", "float32", "auto", "none")
@@ -412,3 +498,36 @@ def test_default_model_in_its_blocks_gives_the_float32_logits(default_gguf_path,
                   enumerate(zip(torch.randint(100, 40000, (8,), generator=gen), range(8)))]
         want, *got = (r.forward(chunks) for r in runners)
         assert all(torch.equal(g, want) for g in got), fused
+
+
+@needs_a8_gemm
+def test_default_model_with_int8_activations_runs_fused_as_eager(default_gguf_path):
+    """--quantization auto on a float32 model: every linear packed for the int8-activation
+    GEMM, the fused step on it giving the eager path's logits bit for bit (same kernels, same
+    X
+    nearly every position of a prompt."""
+    auto = load_model(str(default_gguf_path), "cpu", "float32", "auto", "auto")
+    dense = load_model(str(default_gguf_path), "cpu", "float32", "auto", "none")
+    assert auto.quantization == "q4_1 x120, q8_0 x1"
+    linears = [x for x in auto.model.modules() if isinstance(x, Linear)]
+    assert linears and all(_packed_a8(x) for x in linears)
+    eager, fused, ref = (ModelRunner(m, num_blocks=64, block_size=16) for m in (auto, auto, dense))
+    assert fused.fuse_cpu_step() == "fused"
+    gen = torch.Generator().manual_seed(0)
+    for length in (1, 9, 40):
+        ids = torch.randint(100, 40000, (length,), generator=gen).tolist()
+        chunk = Chunk(ids, 0, list(range(-(-length // 16))))
+        a, b = (r.forward([chunk], all_logits=True) for r in (eager, fused))
+        assert torch.equal(a, b), length
+    from tokenmill.eval.perplexity import load_text
+    from tokenmill.tokenizer import load_tokenizer
+
+    ids = load_tokenizer("smollm2-135m-instruct").encode(load_text())[:200]
+    chunk = Chunk(ids, 0, list(range(-(-len(ids) // 16))))
+    got, want = (r.forward([chunk], all_logits=True) for r in (fused, ref))
+    assert not torch.equal(got, want)  # the activations were rounded
+    same = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert same >= 0.8, same  # 0.88 on this text; a broken product agrees on almost none
+    chunks = [Chunk([int(t)], p, [40 + i]) for i, (t, p) in
+              enumerate(zip(torch.randint(100, 40000, (8,), generator=gen), range(8)))]
+    assert torch.equal(eager.forward(chunks), fused.forward(chunks))

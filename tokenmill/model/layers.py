@@ -161,16 +161,21 @@ class Linear(nn.Module):
         return True
 
     def _pack_quant_f32(self, ops, dtype: torch.dtype | None) -> bool:
+        """float32 with the CPU kernels: a 4/8-bit weight in groups of 32 packed for their
+        GEMM, which widens it to float32 (``pack_f32_quant_weight``) or, for a weight that
+        takes int8 activations, multiplies it with x's rows quantized to int8
+        (``pack_a8_weight``, csrc/a8_gemm.h); ``linear_f32_packed`` takes either."""
         qw = self.quant
-        if not (dtype == torch.float32 and ops is not None and getattr(ops, "f32_pack_cols", 0)
-                and hasattr(ops, "pack_f32_quant_weight") and qw.qweight.device.type == "cpu"
-                and qw.bits in (4, 8) and qw.group_size == 32 and not qw.int8_activations
+        a8 = qw.int8_activations
+        cols = getattr(ops, "a8_pack_cols" if a8 else "f32_pack_cols", 0) if ops is not None else 0
+        if not (dtype == torch.float32 and cols and qw.qweight.device.type == "cpu"
+                and qw.bits in (4, 8) and qw.group_size == 32
                 and qw.qweight.dtype == (torch.uint8 if qw.bits == 4 else torch.int8)
-                and qw.scales.dtype == torch.float16 and qw.shape[0] % ops.f32_pack_cols == 0
+                and qw.scales.dtype == torch.float16 and qw.shape[0] % cols == 0
                 and (qw.bits == 8 or qw.zeros is not None)):
             return False
-        self.packed_f32 = ops.pack_f32_quant_weight(qw.qweight, qw.scales, qw.zeros, qw.bits,
-                                                    qw.group_size)
+        pack = ops.pack_a8_weight if a8 else ops.pack_f32_quant_weight
+        self.packed_f32 = pack(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size)
         self.packed_kind = qw.kind
         self.quant = None  # a tied embedding keeps its own reference to the blocks
         return True

@@ -173,8 +173,12 @@ def quantize_model(module: nn.Module, quantization: str) -> str:
     for layer in linears:
         layer.quant_ops = ops
         qw = layer.quant
+        # int8 activations: the VNNI kernels (any dtype, up to DENSE_ROWS rows), or float32's
+        # packed GEMM (AVX2, every row: csrc/a8_gemm.h); a layer neither takes runs on the
+        # weights-only kernels
         if (INT8_ACTIVATIONS and quantization != "none" and ops is not None
-                and ops.has_int8_dot and qw is not None and takes_int8_activations(qw)):
+                and (ops.has_int8_dot or getattr(ops, "a8_pack_cols", 0))
+                and qw is not None and takes_int8_activations(qw)):
             use_int8_activations(qw)
     return ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
 

@@ -222,7 +222,7 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None,
     if qw.kind == "fp8":
         return fp8_linear(x, qw, bias)
     if ops is not None and x.device.type == "cpu":
-        if qw.int8_activations and x.shape[0] <= DENSE_ROWS:
+        if qw.int8_activations and ops.has_int8_dot and x.shape[0] <= DENSE_ROWS:
             if qw.bits == 4:
                 return ops.quant_linear_w4a8(x, qw.qweight, qw.scales, qw.zeros, bias)
             return ops.quant_linear_w8a8(x, qw.qweight, qw.scales, qw.act_offsets, bias)
@@ -244,7 +244,8 @@ def takes_int8_activations(qw: QuantWeight) -> bool:
 def use_int8_activations(qw: QuantWeight) -> None:
     """Multiply this weight (int8 or int4 in groups of 32 with float16 scales: int8, int4,
     Q8_0, Q4_0, Q4_1) with rows of x quantized to int8 on the fly (dynamic per-token scales;
-    needs the CPU kernels' ``has_int8_dot``)."""
+    the CPU kernels' VNNI ones where ``has_int8_dot``, float32's packed GEMM where
+    ``a8_pack_cols``)."""
     if not takes_int8_activations(qw):
         raise ValueError("int8 activations need weights in groups of 32 with float16 scales")
     qw.int8_activations = True

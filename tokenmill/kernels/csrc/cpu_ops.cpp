@@ -1350,6 +1350,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 #include "quant_ops.h"
 #include "bf16_gemm.h"
 #include "f32_gemm.h"
+#include "a8_gemm.h"
 #include "decoder_step.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1392,6 +1393,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("f32_pack_cols") = Vec::W;
 #else
   m.attr("f32_pack_cols") = 0;
+#endif
+#ifdef TOKENMILL_HAS_A8_GEMM
+  m.def("pack_a8_weight", &pack_a8_weight,
+        "a 4- or 8-bit weight (groups of 32) packed for linear_f32_packed with int8 rows of x");
+  m.attr("a8_pack_cols") = kA8Cols;
+#else
+  m.attr("a8_pack_cols") = 0;
 #endif
 #if defined(TOKENMILL_HAS_BF16_GEMM) || defined(TOKENMILL_HAS_F32_GEMM)
   py::class_<DecoderStack>(m, "DecoderStack",

@@ -27,8 +27,9 @@
 // (f32q_tile), for more rows once per task into a float32 panel in pack_f32_weight's layout,
 // which the same row tiles as a float32 weight's then share. The sums are those of the
 // dequantized float32 weight packed by pack_f32_weight, bit for bit, while a decode step reads
-// 0.75 (4 bits) or 1.125 (8 bits) bytes per weight from memory instead of 4. Included by
-// cpu_ops.cpp after quant_ops.h.
+// 0.75 (4 bits) or 1.125 (8 bits) bytes per weight from memory instead of 4. A weight packed by
+// pack_a8_weight (an int8 tensor) is multiplied with x quantized to int8 instead (a8_gemm.h).
+// Included by cpu_ops.cpp after quant_ops.h.
 
 #pragma once
 
@@ -331,10 +332,23 @@ void f32q_blocks(const float* x, int64_t x_stride, int64_t rows, int64_t k_len, 
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// a weight packed by pack_a8_weight: x's rows quantized to int8 (a8_gemm.h)
+at::Tensor linear_a8_impl(const at::Tensor& x, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias, const at::Tensor& residual);
+#endif
+
 // x (M, K) times a packed weight, plus the bias and then, when `residual` is defined, the
 // residual (M, N): the sum a decoder layer adds its o_proj and down outputs to.
 at::Tensor linear_f32_impl(const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias, const at::Tensor& residual) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (packed.scalar_type() == at::kChar) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+                "linear_f32_packed: float32 x (M, K) with unit inner stride");
+    return linear_a8_impl(x, packed, bias, residual);
+  }
+#endif
   const bool quant = packed.scalar_type() == at::kByte;
   const int64_t bits = !quant ? 32
                        : packed.dim() == 3 && packed.size(2) == f32_quant_record(4) ? 4

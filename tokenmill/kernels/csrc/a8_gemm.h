@@ -1,0 +1,272 @@
+// float32 linear layers over 4- or 8-bit weights (groups of 32 along K: a GGUF's Q4_0 / Q4_1 /
+// Q8_0 blocks, or --quantization int4 / int8) with the rows of x quantized to int8 on the fly:
+// the integer products of llama.cpp's Q8 activations, on AVX2 (vpmaddubsw, vpmaddwd), so on any
+// x86 CPU the float32 path runs on. `--quantization auto|int4|int8` with a float32 model asks for
+// it; the default (`none`) keeps the float32 sums of f32_gemm.h instead.
+//
+// x: each group of 32 values of a row gets its own scale, absmax / 127 (Q8_0's activations in
+// llama.cpp), the values rounded to int8 (half to even); the group's float sum is kept for the
+// offsets. One scale per row (absmax over 576-1,536 values) cost +5% perplexity on the default
+// model; a scale per group of 32 keeps the outlier features from flattening the rest.
+//
+// The weight is packed by pack_a8_weight in column blocks of 8 output features, group by group:
+//
+//   [N / 8 column blocks][K / 32 groups][record]      (an int8 tensor: the kind marker)
+//   4 bits: 8 float32 scales, 8 float32 offsets, then 4 chunks of 32 bytes: chunk j byte 4c + t
+//           holds column c's q[4j + t] in its low nibble and q[16 + 4j + t] in its high one
+//   8 bits: 8 float32 scales, then 8 chunks of 32 bytes: chunk j byte 4c + t = column c's
+//           q[4j + t] (int8)
+//
+// so one 32-bit lane holds four consecutive k of one column, four bytes of x broadcast to every
+// lane multiply them (vpmaddubsw, then pairs summed by vpmaddwd) and each lane accumulates its
+// own column: no horizontal sums. The 4-bit values (0..15) are the unsigned operand; 8-bit
+// weights go in as |q| with x's signs flipped where q < 0 (|q| <= 128, |x| <= 127: a pair's sum
+// fits in int16). Per group and column
+//
+//   y += s * d * sum(q * xq) + z * sum(x)   (d: the group's scale of x), + bias, + residual.
+//
+// Included by cpu_ops.cpp after f32_gemm.h, whose linear_f32_packed takes these weights too.
+
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+namespace {
+
+constexpr int64_t kA8Cols = 8;    // output features per column block: one __m256 of float32
+constexpr int64_t kA8Group = 32;  // weights of K per scale (and offset)
+constexpr int64_t kA8Rows = 4;    // rows of x per tile (their int16 sums and float32
+                                  // accumulators, the unpacked weights: 14 of 16 registers)
+constexpr int64_t kA8Panel = 64;  // rows of x whose int8 values stay in L1 / L2 while a task's
+                                  // column blocks pass over them
+
+constexpr int64_t a8_record(int64_t bits) {
+  return bits == 4 ? 2 * kA8Cols * 4 + kA8Group * kA8Cols / 2 : kA8Cols * 4 + kA8Group * kA8Cols;
+}
+
+at::Tensor pack_a8_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& zeros, int64_t bits,
+                          int64_t group_size) {
+  TORCH_CHECK(group_size == kA8Group && (bits == 4 || bits == 8),
+              "pack_a8_weight: 4 or 8 bits in groups of 32");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "pack_a8_weight: qweight uint8 (N, K / 2) for 4 bits, int8 (N, K) for 8");
+  TORCH_CHECK(bits == 8 || (zeros && zeros->defined()), "pack_a8_weight: 4 bits come with offsets");
+  const int64_t n = qweight.size(0), k = qweight.size(1) * (bits == 4 ? 2 : 1);
+  const int64_t groups = k / kA8Group;
+  TORCH_CHECK(n % kA8Cols == 0 && k % kA8Group == 0 && k > 0,
+              "pack_a8_weight: N a multiple of 8, K of 32");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups,
+              "pack_a8_weight: scales (N, K / 32)");
+  const at::Tensor sc = scales.to(at::kFloat).contiguous();
+  const at::Tensor zc = bits == 4 ? zeros->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(bits == 8 || zc.sizes() == sc.sizes(), "pack_a8_weight: offsets like scales");
+  const int64_t rec = a8_record(bits), row_bytes = qweight.size(1);
+  at::Tensor packed = at::zeros({n / kA8Cols, groups, rec}, qweight.options().dtype(at::kChar));
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sp = sc.data_ptr<float>();
+  const float* zp = bits == 4 ? zc.data_ptr<float>() : nullptr;
+  uint8_t* dst = reinterpret_cast<uint8_t*>(packed.data_ptr());
+  at::parallel_for(0, n / kA8Cols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* r = dst + (b * groups + g) * rec;
+        float* params = reinterpret_cast<float*>(r);
+        uint8_t* chunks = r + (bits == 4 ? 2 : 1) * kA8Cols * 4;
+        for (int64_t c = 0; c < kA8Cols; ++c) {
+          const int64_t row = b * kA8Cols + c;
+          params[c] = sp[row * groups + g];
+          if (bits == 8) {
+            for (int64_t i = 0; i < kA8Group; ++i)
+              chunks[(i / 4) * 32 + 4 * c + i % 4] = q[row * row_bytes + g * kA8Group + i];
+            continue;
+          }
+          params[kA8Cols + c] = zp[row * groups + g];
+          // GGUF's order: byte i of the group holds q[i] low, q[i + 16] high -- the same split
+          const uint8_t* src = q + row * row_bytes + g * kA8Group / 2;
+          for (int64_t i = 0; i < 16; ++i) chunks[(i / 4) * 32 + 4 * c + i % 4] = src[i];
+        }
+      }
+  });
+  return packed;
+}
+
+// x's rows as int8, each group of 32 with its own scale, and each group's sum of x
+struct A8Rows {
+  std::vector<int8_t> q;      // rows x K
+  std::vector<float> scale;   // rows x K / 32: absmax / 127 (0 for a group of zeros)
+  std::vector<float> sums;    // rows x K / 32: the sum of x's values (the offsets' term)
+};
+
+void a8_quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k_len, A8Rows& r) {
+  const int64_t groups = k_len / kA8Group;
+  r.q.resize(rows * k_len);
+  r.scale.resize(rows * groups);
+  r.sums.resize(rows * groups);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / k_len), [&](int64_t begin, int64_t end) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    alignas(32) float lanes[8];
+    alignas(32) int32_t w[8];
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* xg = x + m * x_stride + g * kA8Group;
+        __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm256_loadu_ps(xg + 8 * i);
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+          sum = _mm256_add_ps(sum, v[i]);
+        }
+        _mm256_store_ps(lanes, amax);
+        float a = 0.0f;
+        for (float l : lanes) a = std::max(a, l);
+        _mm256_store_ps(lanes, sum);
+        r.sums[m * groups + g] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                                 ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        const float d = a / 127.0f;
+        r.scale[m * groups + g] = d;
+        const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        int8_t* qg = r.q.data() + m * k_len + g * kA8Group;
+        for (int i = 0; i < 4; ++i) {
+          // round half to even (MXCSR's default), as std::nearbyint and torch.round do
+          const __m256 s = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(v[i], inv)));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(w), _mm256_cvtps_epi32(s));
+          for (int j = 0; j < 8; ++j) qg[8 * i + j] = static_cast<int8_t>(w[j]);
+        }
+      }
+  });
+}
+
+inline __m256i a8_broadcast(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// ROWS rows of x (from row m0 of `xr`) times one column block (its first record at `rec`),
+// into acc[r] (8 columns)
+template <int ROWS, int64_t BITS>
+inline void a8_tile(const A8Rows& xr, int64_t m0, int64_t k_len, const uint8_t* rec,
+                    __m256 (&acc)[ROWS]) {
+  const int64_t groups = k_len / kA8Group;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* x0 = xr.q.data() + m0 * k_len;
+  for (int64_t g = 0; g < groups; ++g, rec += a8_record(BITS), x0 += kA8Group) {
+    const __m256 s = _mm256_loadu_ps(reinterpret_cast<const float*>(rec));
+    const float* xs = xr.scale.data() + m0 * groups + g;  // row r's: xs[r * groups]
+    if constexpr (BITS == 4) {
+      const __m256i nibble = _mm256_set1_epi8(0x0F);
+      const uint8_t* chunks = rec + 2 * kA8Cols * 4;
+      __m256i t[ROWS];  // int16 pair sums: 8 of at most 2 * 15 * 127 each, within int16
+      for (int r = 0; r < ROWS; ++r) t[r] = _mm256_setzero_si256();
+      for (int64_t j = 0; j < 4; ++j) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * j));
+        const __m256i wl = _mm256_and_si256(b, nibble);
+        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+        for (int r = 0; r < ROWS; ++r) {
+          const int8_t* x = x0 + r * k_len;
+          t[r] = _mm256_add_epi16(t[r], _mm256_maddubs_epi16(wl, a8_broadcast(x + 4 * j)));
+          t[r] = _mm256_add_epi16(t[r], _mm256_maddubs_epi16(wh, a8_broadcast(x + 16 + 4 * j)));
+        }
+      }
+      const __m256 z = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + kA8Cols);
+      const float* sums = xr.sums.data() + m0 * groups + g;
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(t[r], ones));
+        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(xs[r * groups])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(sums[r * groups]), acc[r]);
+      }
+    } else {
+      const uint8_t* chunks = rec + kA8Cols * 4;
+      __m256i t[ROWS];  // int32 sums
+      for (int r = 0; r < ROWS; ++r) t[r] = _mm256_setzero_si256();
+      for (int64_t j = 0; j < 8; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * j));
+        const __m256i wa = _mm256_abs_epi8(w);  // -128 gives 0x80: 128 as the unsigned operand
+        for (int r = 0; r < ROWS; ++r) {
+          const __m256i xs = _mm256_sign_epi8(a8_broadcast(x0 + r * k_len + 4 * j), w);
+          t[r] = _mm256_add_epi32(t[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones));
+        }
+      }
+      for (int r = 0; r < ROWS; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r]),
+                                 _mm256_mul_ps(s, _mm256_set1_ps(xs[r * groups])), acc[r]);
+    }
+  }
+}
+
+// ROWS rows from m0 times one column block into `o`: the sums, + bias, + residual
+template <int ROWS, int64_t BITS>
+void a8_store_tile(const A8Rows& xr, int64_t m0, int64_t k_len, const uint8_t* rec,
+                   const F32Out& o) {
+  __m256 acc[ROWS];
+  a8_tile<ROWS, BITS>(xr, m0, k_len, rec, acc);
+  for (int r = 0; r < ROWS; ++r) {
+    __m256 v = acc[r];
+    if (o.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(o.bias));
+    if (o.add) v = _mm256_add_ps(v, _mm256_loadu_ps(o.add + (m0 + r) * o.add_stride));
+    _mm256_storeu_ps(o.out + (m0 + r) * o.stride, v);
+  }
+}
+
+template <int64_t BITS>
+void a8_rows(const A8Rows& xr, int64_t m0, int64_t rows, int64_t k_len, const uint8_t* rec,
+             const F32Out& o) {
+  for (int64_t m = m0; m < m0 + rows; m += kA8Rows) {
+    switch (std::min<int64_t>(kA8Rows, m0 + rows - m)) {
+      case 4: a8_store_tile<4, BITS>(xr, m, k_len, rec, o); break;
+      case 3: a8_store_tile<3, BITS>(xr, m, k_len, rec, o); break;
+      case 2: a8_store_tile<2, BITS>(xr, m, k_len, rec, o); break;
+      default: a8_store_tile<1, BITS>(xr, m, k_len, rec, o); break;
+    }
+  }
+}
+
+// linear_f32_packed for a weight packed by pack_a8_weight (x's checks done by the caller)
+at::Tensor linear_a8_impl(const at::Tensor& x, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias, const at::Tensor& residual) {
+  const int64_t rows = x.size(0), k_len = x.size(1);
+  const int64_t bits = packed.dim() == 3 && packed.size(2) == a8_record(4) ? 4
+                       : packed.dim() == 3 && packed.size(2) == a8_record(8) ? 8 : 0;
+  TORCH_CHECK(bits && packed.is_contiguous() && packed.size(1) * kA8Group == k_len,
+              "linear_f32_packed: an int8 weight packed by pack_a8_weight for K = ", k_len);
+  const int64_t blocks = packed.size(0), n_out = blocks * kA8Cols;
+  TORCH_CHECK(!bias || !bias->defined() || (bias->scalar_type() == at::kFloat &&
+                                            bias->is_contiguous() && bias->numel() == n_out),
+              "linear_f32_packed: float32 bias (N)");
+  TORCH_CHECK(!residual.defined() || (residual.scalar_type() == at::kFloat &&
+                                      residual.dim() == 2 && residual.size(0) == rows &&
+                                      residual.size(1) == n_out && residual.stride(1) == 1),
+              "linear_f32_packed_add: float32 residual (M, N) with unit inner stride");
+  at::Tensor out = at::empty({rows, n_out}, x.options());
+  if (rows == 0) return out;
+  thread_local A8Rows xr;
+  a8_quantize_rows(x.data_ptr<float>(), x.stride(0), rows, k_len, xr);
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
+  const int64_t block_bytes = packed.size(1) * packed.size(2);
+  const F32Out o{out.data_ptr<float>(), n_out,
+                 bias && bias->defined() ? bias->data_ptr<float>() : nullptr,
+                 residual.defined() ? residual.data_ptr<float>() : nullptr,
+                 residual.defined() ? residual.stride(0) : 0};
+  const A8Rows& xs = xr;  // the calling thread's, read by every task
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < rows; m0 += kA8Panel) {
+      const int64_t mm = std::min(kA8Panel, rows - m0);
+      for (int64_t b = begin; b < end; ++b) {
+        const F32Out ob = o.at(0, b * kA8Cols);
+        if (bits == 4)
+          a8_rows<4>(xs, m0, mm, k_len, qp + b * block_bytes, ob);
+        else
+          a8_rows<8>(xs, m0, mm, k_len, qp + b * block_bytes, ob);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+#define TOKENMILL_HAS_A8_GEMM 1
+#endif
