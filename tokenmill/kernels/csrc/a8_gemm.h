@@ -108,7 +108,6 @@ void a8_quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k_
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     alignas(32) float lanes[8];
-    alignas(32) int32_t w[8];
     for (int64_t m = begin; m < end; ++m)
       for (int64_t g = 0; g < groups; ++g) {
         const float* xg = x + m * x_stride + g * kA8Group;
@@ -127,13 +126,15 @@ void a8_quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k_
         const float d = a / 127.0f;
         r.scale[m * groups + g] = d;
         const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-        int8_t* qg = r.q.data() + m * k_len + g * kA8Group;
-        for (int i = 0; i < 4; ++i) {
-          // round half to even (MXCSR's default), as std::nearbyint and torch.round do
-          const __m256 s = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(v[i], inv)));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(w), _mm256_cvtps_epi32(s));
-          for (int j = 0; j < 8; ++j) qg[8 * i + j] = static_cast<int8_t>(w[j]);
-        }
+        __m256i iv[4];
+        for (int i = 0; i < 4; ++i)  // rounded half to even (MXCSR's default), as torch.round
+          iv[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(v[i], inv))));
+        // packed to bytes within 128-bit lanes: 4-byte runs 0, 2, 4, 6, 1, 3, 5, 7 -> in order
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
+                                                 _mm256_packs_epi32(iv[2], iv[3]));
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(r.q.data() + m * k_len + g * kA8Group),
+            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
       }
   });
 }
