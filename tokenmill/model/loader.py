@@ -100,6 +100,8 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     pack_linear_weights(module, ops, getattr(torch, cfg.dtype))
     if quantization == "none":
         described = unpack_leftovers(module, ops)
+    else:
+        described += int8_activations_note(module)
     for layer in module.modules():
         if hasattr(layer, "cpu_ops"):
             layer.cpu_ops = ops
@@ -181,6 +183,16 @@ def quantize_model(module: nn.Module, quantization: str) -> str:
                 and qw is not None and takes_int8_activations(qw)):
             use_int8_activations(qw)
     return ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
+
+
+def int8_activations_note(module: nn.Module) -> str:
+    """" (int8 activations: N layers)" for the layers that multiply x rounded to int8 (packed
+    for float32's GEMM, or left to the VNNI kernels), else ""."""
+    n = sum(1 for m in module.modules() if isinstance(m, Linear) and (
+        (m.packed_f32 is not None and m.packed_f32.dtype == torch.int8)
+        or (m.quant is not None and m.quant.int8_activations
+            and getattr(m.quant_ops, "has_int8_dot", False))))
+    return f" (int8 activations: {n} layers)" if n else ""
 
 
 def unpack_leftovers(module: nn.Module, ops) -> str:

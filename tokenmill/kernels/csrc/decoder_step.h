@@ -19,7 +19,8 @@
 // addition round as the eager path's separate ops do (the kernels are built with
 // -ffp-contract=off); the residual adds in the epilogue of the o_proj and down GEMMs
 // (linear_f32_packed_add: the linear's sum, then + residual), every linear on the packed
-// float32 GEMM (f32_gemm.h). Included by cpu_ops.cpp after both GEMM headers.
+// float32 GEMM (f32_gemm.h; with --quantization, on int8 rows of x: a8_gemm.h, as the eager
+// path does too). Included by cpu_ops.cpp after the GEMM headers.
 
 #pragma once
 
