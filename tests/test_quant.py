@@ -171,18 +171,13 @@ needs_a8_gemm = pytest.mark.skipif(OPS is None or not OPS.a8_pack_cols,
 
 def int8_groups_product(x: torch.Tensor, qw: Q.QuantWeight) -> torch.Tensor:
     """What a8_gemm.h computes, in float64: each group of 32 of x's rows rounded to int8 with
-    its own scale (absmax / 127, half to even), times the blocks' integers and scales; a 4-bit
-    weight's offsets times the group's exact sum of x."""
+    its own scale (absmax / 127, half to even), times the dequantized weights (scale * q, plus
+    a 4-bit weight's offset)."""
     rows, k = x.shape
     g = x.reshape(rows, k // 32, 32)
     d = g.abs().amax(-1, keepdim=True) / 127
     q = torch.round(g * torch.where(d > 0, 1 / d, torch.zeros_like(d))).clamp(-127, 127)
-    xd = (q.double() * d.double()).reshape(rows, k)
-    w = Q.dequantize(qw, torch.float64)
-    if qw.bits == 8:
-        return xd @ w.T
-    z = qw.zeros.double()
-    return xd @ (w - z.repeat_interleave(32, dim=1)).T + g.sum(-1).double() @ z.T
+    return (q.double() * d.double()).reshape(rows, k) @ Q.dequantize(qw, torch.float64).T
 
 
 @needs_a8_gemm
