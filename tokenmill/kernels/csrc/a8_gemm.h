@@ -49,21 +49,10 @@ constexpr int64_t a8_record(int64_t bits) {
 at::Tensor pack_a8_weight(const at::Tensor& qweight, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& zeros, int64_t bits,
                           int64_t group_size) {
-  TORCH_CHECK(group_size == kA8Group && (bits == 4 || bits == 8),
-              "pack_a8_weight: 4 or 8 bits in groups of 32");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
-                  qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              "pack_a8_weight: qweight uint8 (N, K / 2) for 4 bits, int8 (N, K) for 8");
-  TORCH_CHECK(bits == 8 || (zeros && zeros->defined()), "pack_a8_weight: 4 bits come with offsets");
-  const int64_t n = qweight.size(0), k = qweight.size(1) * (bits == 4 ? 2 : 1);
-  const int64_t groups = k / kA8Group;
-  TORCH_CHECK(n % kA8Cols == 0 && k % kA8Group == 0 && k > 0,
-              "pack_a8_weight: N a multiple of 8, K of 32");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups,
-              "pack_a8_weight: scales (N, K / 32)");
-  const at::Tensor sc = scales.to(at::kFloat).contiguous();
-  const at::Tensor zc = bits == 4 ? zeros->to(at::kFloat).contiguous() : at::Tensor();
-  TORCH_CHECK(bits == 8 || zc.sizes() == sc.sizes(), "pack_a8_weight: offsets like scales");
+  const QuantWeightArgs a = quant_weight_args("pack_a8_weight", qweight, scales, zeros, bits,
+                                              group_size, kA8Cols);
+  const int64_t n = a.n, groups = a.groups;
+  const at::Tensor &sc = a.scales, &zc = a.zeros;
   const int64_t rec = a8_record(bits), row_bytes = qweight.size(1);
   at::Tensor packed = at::zeros({n / kA8Cols, groups, rec}, qweight.options().dtype(at::kChar));
   const uint8_t* q = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
@@ -238,13 +227,7 @@ at::Tensor linear_a8_impl(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(bits && packed.is_contiguous() && packed.size(1) * kA8Group == k_len,
               "linear_f32_packed: an int8 weight packed by pack_a8_weight for K = ", k_len);
   const int64_t blocks = packed.size(0), n_out = blocks * kA8Cols;
-  TORCH_CHECK(!bias || !bias->defined() || (bias->scalar_type() == at::kFloat &&
-                                            bias->is_contiguous() && bias->numel() == n_out),
-              "linear_f32_packed: float32 bias (N)");
-  TORCH_CHECK(!residual.defined() || (residual.scalar_type() == at::kFloat &&
-                                      residual.dim() == 2 && residual.size(0) == rows &&
-                                      residual.size(1) == n_out && residual.stride(1) == 1),
-              "linear_f32_packed_add: float32 residual (M, N) with unit inner stride");
+  check_bias_residual(bias, residual, rows, n_out);
   at::Tensor out = at::empty({rows, n_out}, x.options());
   if (rows == 0) return out;
   thread_local A8Rows xr;

@@ -152,25 +152,43 @@ constexpr int64_t f32_quant_record(int64_t bits) {
   return bits == 4 ? 2 * Vec::W * 4 + kF32QGroup * Vec::W / 2 : Vec::W * 4 + kF32QGroup * Vec::W;
 }
 
+// A 4- or 8-bit weight in groups of 32 (model/quant.py's formats) as a packing function
+// (`name`) takes it, checked, with its scales and offsets widened to float32 (offsets: 4 bits)
+struct QuantWeightArgs {
+  int64_t n, k, groups;
+  at::Tensor scales, zeros;
+};
+
+QuantWeightArgs quant_weight_args(const char* name, const at::Tensor& qweight,
+                                  const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                                  int64_t bits, int64_t group_size, int64_t cols) {
+  TORCH_CHECK(group_size == 32 && (bits == 4 || bits == 8), name,
+              ": 4 or 8 bits in groups of 32");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              name, ": qweight uint8 (N, K / 2) for 4 bits, int8 (N, K) for 8");
+  TORCH_CHECK(bits == 8 || (zeros && zeros->defined()), name, ": 4 bits come with offsets");
+  QuantWeightArgs a;
+  a.n = qweight.size(0);
+  a.k = qweight.size(1) * (bits == 4 ? 2 : 1);
+  a.groups = a.k / 32;
+  TORCH_CHECK(a.n % cols == 0 && a.k % 32 == 0 && a.k > 0, name, ": N a multiple of ", cols,
+              ", K of 32");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == a.n && scales.size(1) == a.groups, name,
+              ": scales (N, K / 32)");
+  a.scales = scales.to(at::kFloat).contiguous();
+  if (bits == 4) a.zeros = zeros->to(at::kFloat).contiguous();
+  TORCH_CHECK(bits == 8 || a.zeros.sizes() == a.scales.sizes(), name, ": offsets like scales");
+  return a;
+}
+
 at::Tensor pack_f32_quant_weight(const at::Tensor& qweight, const at::Tensor& scales,
                                  const c10::optional<at::Tensor>& zeros, int64_t bits,
                                  int64_t group_size) {
-  TORCH_CHECK(group_size == kF32QGroup && (bits == 4 || bits == 8),
-              "pack_f32_quant_weight: 4 or 8 bits in groups of 32");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
-                  qweight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              "pack_f32_quant_weight: qweight uint8 (N, K / 2) for 4 bits, int8 (N, K) for 8");
-  TORCH_CHECK(bits == 8 || (zeros && zeros->defined()),
-              "pack_f32_quant_weight: 4 bits come with offsets");
-  const int64_t n = qweight.size(0), k = qweight.size(1) * (bits == 4 ? 2 : 1);
-  const int64_t groups = k / kF32QGroup;
-  TORCH_CHECK(n % Vec::W == 0 && k % kF32QGroup == 0, "pack_f32_quant_weight: N a multiple of ",
-              Vec::W, ", K of 32");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups,
-              "pack_f32_quant_weight: scales (N, K / 32)");
-  const at::Tensor sc = scales.to(at::kFloat).contiguous();
-  const at::Tensor zc = bits == 4 ? zeros->to(at::kFloat).contiguous() : at::Tensor();
-  TORCH_CHECK(bits == 8 || zc.sizes() == sc.sizes(), "pack_f32_quant_weight: offsets like scales");
+  const QuantWeightArgs a = quant_weight_args("pack_f32_quant_weight", qweight, scales, zeros,
+                                              bits, group_size, Vec::W);
+  const int64_t n = a.n, groups = a.groups;
+  const at::Tensor &sc = a.scales, &zc = a.zeros;
   const int64_t rec = f32_quant_record(bits);
   at::Tensor packed = at::zeros({n / Vec::W, groups, rec}, qweight.options().dtype(at::kByte));
   const uint8_t* q = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
@@ -332,6 +350,18 @@ void f32q_blocks(const float* x, int64_t x_stride, int64_t rows, int64_t k_len, 
   }
 }
 
+// linear_f32_packed's bias (N) and residual (M, N) for M rows and N outputs, when given
+inline void check_bias_residual(const c10::optional<at::Tensor>& bias, const at::Tensor& residual,
+                                int64_t rows, int64_t n_out) {
+  TORCH_CHECK(!bias || !bias->defined() || (bias->scalar_type() == at::kFloat &&
+                                            bias->is_contiguous() && bias->numel() == n_out),
+              "linear_f32_packed: float32 bias (N)");
+  TORCH_CHECK(!residual.defined() || (residual.scalar_type() == at::kFloat &&
+                                      residual.dim() == 2 && residual.size(0) == rows &&
+                                      residual.size(1) == n_out && residual.stride(1) == 1),
+              "linear_f32_packed_add: float32 residual (M, N) with unit inner stride");
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // a weight packed by pack_a8_weight: x's rows quantized to int8 (a8_gemm.h)
 at::Tensor linear_a8_impl(const at::Tensor& x, const at::Tensor& packed,
@@ -362,13 +392,7 @@ at::Tensor linear_f32_impl(const at::Tensor& x, const at::Tensor& packed,
               "pack_f32_quant_weight");
   const int64_t rows = x.size(0), k_len = x.size(1);
   const int64_t blocks = packed.size(0), n_out = blocks * Vec::W;
-  TORCH_CHECK(!bias || !bias->defined() || (bias->scalar_type() == at::kFloat &&
-                                            bias->is_contiguous() && bias->numel() == n_out),
-              "linear_f32_packed: float32 bias (N)");
-  TORCH_CHECK(!residual.defined() || (residual.scalar_type() == at::kFloat &&
-                                      residual.dim() == 2 && residual.size(0) == rows &&
-                                      residual.size(1) == n_out && residual.stride(1) == 1),
-              "linear_f32_packed_add: float32 residual (M, N) with unit inner stride");
+  check_bias_residual(bias, residual, rows, n_out);
   const int64_t block_stride = k_len * Vec::W;
   at::Tensor out = at::empty({rows, n_out}, x.options());
   if (rows == 0) return out;
