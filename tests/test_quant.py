@@ -523,7 +523,7 @@ def test_default_model_with_int8_activations_runs_fused_as_eager(default_gguf_pa
     got, want = (r.forward([chunk], all_logits=True) for r in (fused, ref))
     assert not torch.equal(got, want)  # the activations were rounded
     same = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    assert same >= 0.8, same  # 0.88 on this text; a broken product agrees on almost none
+    assert same >= 0.85, same  # 0.94 on this text; a broken product agrees on almost none
     chunks = [Chunk([int(t)], p, [40 + i]) for i, (t, p) in
               enumerate(zip(torch.randint(100, 40000, (8,), generator=gen), range(8)))]
     assert torch.equal(eager.forward(chunks), fused.forward(chunks))

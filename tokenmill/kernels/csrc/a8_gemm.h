@@ -115,8 +115,10 @@ void a8_quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t k_
         r.scale[m * groups + g] = d;
         const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
         __m256i iv[4];
-        for (int i = 0; i < 4; ++i)  // rounded half to even (MXCSR's default), as torch.round
-          iv[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(v[i], inv))));
+        for (int i = 0; i < 4; ++i) {  // rounded half to even (MXCSR's default), as torch.round
+          const __m256 scaled = _mm256_mul_ps(v[i], inv);
+          iv[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, scaled)));
+        }
         _mm256_store_si256(reinterpret_cast<__m256i*>(n),
                            _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]),
                                             _mm256_add_epi32(iv[2], iv[3])));
