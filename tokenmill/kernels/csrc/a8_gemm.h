@@ -25,7 +25,9 @@
 // weights go in as |q| with x's signs flipped where q < 0 (|q| <= 128, |x| <= 127: a pair's sum
 // fits in int16). Per group and column
 //
-//   y += s * d * sum(q * xq) + z * d * sum(xq)   (d: the group's scale of x), + bias, + residual.
+//   y += s * d * sum(q * xq) + z * d * sum(xq)   (d: the group's scale of x; z: 4 bits only),
+//
+// then + bias, + residual.
 //
 // Included by cpu_ops.cpp after f32_gemm.h, whose linear_f32_packed takes these weights too.
 
