@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true",
                     help="the layer-by-layer path instead of the fused CPU step")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--quantization", default="none")
     args = ap.parse_args()
 
     import torch
@@ -71,7 +72,7 @@ def main() -> None:
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, num_blocks=1024,
               max_num_seqs=max(64, args.num_seqs), enforce_eager=args.enforce_eager,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     engine = llm.engine
     runner = engine.runner
     timed = TimedModule(runner.model)
@@ -106,6 +107,7 @@ def main() -> None:
         **machine(), "threads": torch.get_num_threads(), "model": args.model,
         "dtype": runner.config.dtype, "cpu_step": getattr(engine.info, "cpu_step", None),
         "kv_cache_dtype": getattr(engine.info, "kv_cache_dtype", None),
+        "weights": getattr(engine.info, "quantization", None),
         "num_seqs": args.num_seqs,
         "sampling": args.sampling, "steps": args.steps,
         "step_ms": ms(totals), "forward_ms": ms(forwards),
