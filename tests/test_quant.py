@@ -221,6 +221,8 @@ def test_a8_packing_refuses_what_it_cannot_take():
     odd = Q.quantize_int8(weights(12, 64))
     with pytest.raises(RuntimeError, match="multiple of 8"):
         OPS.pack_a8_weight(odd.qweight, odd.scales, None, 8, 32)
+    with pytest.raises(RuntimeError, match="float16 scales"):
+        OPS.pack_a8_weight(qw.qweight, qw.scales.float(), qw.zeros, 4, 32)
     packed = OPS.pack_a8_weight(qw.qweight, qw.scales, qw.zeros, 4, 32)
     with pytest.raises(RuntimeError, match="K = 96"):
         OPS.linear_f32_packed(torch.randn(2, 96), packed, None)

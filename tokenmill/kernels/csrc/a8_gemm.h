@@ -14,10 +14,13 @@
 // The weight is packed by pack_a8_weight in column blocks of 8 output features, group by group:
 //
 //   [N / 8 column blocks][K / 32 groups][record]      (an int8 tensor: the kind marker)
-//   4 bits: 8 float32 scales, 8 float32 offsets, then 4 chunks of 32 bytes: chunk j byte 4c + t
+//   4 bits: 8 float16 scales, 8 float16 offsets, then 4 chunks of 32 bytes: chunk j byte 4c + t
 //           holds column c's q[4j + t] in its low nibble and q[16 + 4j + t] in its high one
-//   8 bits: 8 float32 scales, then 8 chunks of 32 bytes: chunk j byte 4c + t = column c's
+//   8 bits: 8 float16 scales, then 8 chunks of 32 bytes: chunk j byte 4c + t = column c's
 //           q[4j + t] (int8)
+//
+// (the scales as the formats hold them: a record is 0.625 / 1.06 bytes per weight, and a decode
+// step at one row reads its weights at about the machine's memory bandwidth)
 //
 // so one 32-bit lane holds four consecutive k of one column, four bytes of x broadcast to every
 // lane multiply them (vpmaddubsw, then pairs summed by vpmaddwd) and each lane accumulates its
@@ -33,7 +36,7 @@
 
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 namespace {
 
@@ -44,8 +47,10 @@ constexpr int64_t kA8Rows = 4;    // rows of x per tile (their int16 sums and fl
 constexpr int64_t kA8Panel = 64;  // rows of x whose int8 values stay in L1 / L2 while a task's
                                   // column blocks pass over them
 
+constexpr int64_t a8_params(int64_t bits) { return (bits == 4 ? 2 : 1) * kA8Cols * 2; }
+
 constexpr int64_t a8_record(int64_t bits) {
-  return bits == 4 ? 2 * kA8Cols * 4 + kA8Group * kA8Cols / 2 : kA8Cols * 4 + kA8Group * kA8Cols;
+  return a8_params(bits) + kA8Group * kA8Cols / (bits == 4 ? 2 : 1);
 }
 
 at::Tensor pack_a8_weight(const at::Tensor& qweight, const at::Tensor& scales,
@@ -53,20 +58,23 @@ at::Tensor pack_a8_weight(const at::Tensor& qweight, const at::Tensor& scales,
                           int64_t group_size) {
   const QuantWeightArgs a = quant_weight_args("pack_a8_weight", qweight, scales, zeros, bits,
                                               group_size, kA8Cols);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf &&
+                  (bits == 8 || zeros->scalar_type() == at::kHalf),
+              "pack_a8_weight: float16 scales (and offsets)");
   const int64_t n = a.n, groups = a.groups;
-  const at::Tensor &sc = a.scales, &zc = a.zeros;
+  const at::Tensor sc = scales.contiguous(), zc = bits == 4 ? zeros->contiguous() : at::Tensor();
   const int64_t rec = a8_record(bits), row_bytes = qweight.size(1);
   at::Tensor packed = at::zeros({n / kA8Cols, groups, rec}, qweight.options().dtype(at::kChar));
   const uint8_t* q = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
-  const float* sp = sc.data_ptr<float>();
-  const float* zp = bits == 4 ? zc.data_ptr<float>() : nullptr;
+  const at::Half* sp = sc.data_ptr<at::Half>();
+  const at::Half* zp = bits == 4 ? zc.data_ptr<at::Half>() : nullptr;
   uint8_t* dst = reinterpret_cast<uint8_t*>(packed.data_ptr());
   at::parallel_for(0, n / kA8Cols, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* r = dst + (b * groups + g) * rec;
-        float* params = reinterpret_cast<float*>(r);
-        uint8_t* chunks = r + (bits == 4 ? 2 : 1) * kA8Cols * 4;
+        at::Half* params = reinterpret_cast<at::Half*>(r);
+        uint8_t* chunks = r + a8_params(bits);
         for (int64_t c = 0; c < kA8Cols; ++c) {
           const int64_t row = b * kA8Cols + c;
           params[c] = sp[row * groups + g];
@@ -152,11 +160,11 @@ inline void a8_tile(const A8Rows& xr, int64_t m0, int64_t k_len, const uint8_t* 
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
   const int8_t* x0 = xr.q.data() + m0 * k_len;
   for (int64_t g = 0; g < groups; ++g, rec += a8_record(BITS), x0 += kA8Group) {
-    const __m256 s = _mm256_loadu_ps(reinterpret_cast<const float*>(rec));
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec)));
     const float* xs = xr.scale.data() + m0 * groups + g;  // row r's: xs[r * groups]
     if constexpr (BITS == 4) {
       const __m256i nibble = _mm256_set1_epi8(0x0F);
-      const uint8_t* chunks = rec + 2 * kA8Cols * 4;
+      const uint8_t* chunks = rec + a8_params(4);
       __m256i t[ROWS];  // int16 pair sums: 8 of at most 2 * 15 * 127 each, within int16
       for (int r = 0; r < ROWS; ++r) t[r] = _mm256_setzero_si256();
       for (int64_t j = 0; j < 4; ++j) {
@@ -169,7 +177,8 @@ inline void a8_tile(const A8Rows& xr, int64_t m0, int64_t k_len, const uint8_t* 
           t[r] = _mm256_add_epi16(t[r], _mm256_maddubs_epi16(wh, a8_broadcast(x + 16 + 4 * j)));
         }
       }
-      const __m256 z = _mm256_loadu_ps(reinterpret_cast<const float*>(rec) + kA8Cols);
+      const __m256 z =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * kA8Cols)));
       const float* sums = xr.sums.data() + m0 * groups + g;
       for (int r = 0; r < ROWS; ++r) {
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(t[r], ones));
@@ -177,7 +186,7 @@ inline void a8_tile(const A8Rows& xr, int64_t m0, int64_t k_len, const uint8_t* 
         acc[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(sums[r * groups]), acc[r]);
       }
     } else {
-      const uint8_t* chunks = rec + kA8Cols * 4;
+      const uint8_t* chunks = rec + a8_params(8);
       __m256i t[ROWS];  // int32 sums
       for (int r = 0; r < ROWS; ++r) t[r] = _mm256_setzero_si256();
       for (int64_t j = 0; j < 8; ++j) {

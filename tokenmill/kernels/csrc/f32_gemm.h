@@ -362,7 +362,7 @@ inline void check_bias_residual(const c10::optional<at::Tensor>& bias, const at:
               "linear_f32_packed_add: float32 residual (M, N) with unit inner stride");
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // a weight packed by pack_a8_weight: x's rows quantized to int8 (a8_gemm.h)
 at::Tensor linear_a8_impl(const at::Tensor& x, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias, const at::Tensor& residual);
@@ -372,7 +372,7 @@ at::Tensor linear_a8_impl(const at::Tensor& x, const at::Tensor& packed,
 // residual (M, N): the sum a decoder layer adds its o_proj and down outputs to.
 at::Tensor linear_f32_impl(const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias, const at::Tensor& residual) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if (packed.scalar_type() == at::kChar) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
                 "linear_f32_packed: float32 x (M, K) with unit inner stride");
