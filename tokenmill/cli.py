@@ -48,9 +48,9 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
              "kernels keeps a GGUF's blocks in their bits and widens them in its GEMM, the same "
              "sums), int8 (per-channel scales), int4 (groups of 32); auto: a quantized GGUF "
              "keeps its own Q8_0/Q4_0/Q4_1 blocks, others none. On the CPU kernels these three "
-             "multiply x rounded to int8 in groups of 32 (llama.cpp's arithmetic: faster, "
-             "+0.3%% perplexity on the default model). fp8: e4m3 weights and activations "
-             "(Hopper GPUs)")),
+             "multiply x rounded to int8 (llama.cpp's arithmetic: faster; for a float32 model "
+             "in groups of 32, +0.3%% perplexity on the default model). fp8: e4m3 weights and "
+             "activations (Hopper GPUs)")),
     ("--kv-cache-dtype", "kv_cache_dtype", dict(
         choices=["auto", "bfloat16", "int8", "fp8"],
         help="KV cache storage: auto (the compute dtype, but bfloat16 under float32 weights "

@@ -231,7 +231,7 @@ void a8_rows(const A8Rows& xr, int64_t m0, int64_t rows, int64_t k_len, const ui
   }
 }
 
-// linear_f32_packed for a weight packed by pack_a8_weight (x's checks done by the caller)
+// linear_f32_packed for a weight packed by pack_a8_weight (x checked by linear_f32_impl)
 at::Tensor linear_a8_impl(const at::Tensor& x, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias, const at::Tensor& residual) {
   const int64_t rows = x.size(0), k_len = x.size(1);

@@ -153,10 +153,9 @@ constexpr int64_t f32_quant_record(int64_t bits) {
 }
 
 // A 4- or 8-bit weight in groups of 32 (model/quant.py's formats) as a packing function
-// (`name`) takes it, checked, with its scales and offsets widened to float32 (offsets: 4 bits)
+// (`name`) takes it, checked: its sizes
 struct QuantWeightArgs {
   int64_t n, k, groups;
-  at::Tensor scales, zeros;
 };
 
 QuantWeightArgs quant_weight_args(const char* name, const at::Tensor& qweight,
@@ -176,9 +175,7 @@ QuantWeightArgs quant_weight_args(const char* name, const at::Tensor& qweight,
               ", K of 32");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == a.n && scales.size(1) == a.groups, name,
               ": scales (N, K / 32)");
-  a.scales = scales.to(at::kFloat).contiguous();
-  if (bits == 4) a.zeros = zeros->to(at::kFloat).contiguous();
-  TORCH_CHECK(bits == 8 || a.zeros.sizes() == a.scales.sizes(), name, ": offsets like scales");
+  TORCH_CHECK(bits == 8 || zeros->sizes() == scales.sizes(), name, ": offsets like scales");
   return a;
 }
 
@@ -188,7 +185,8 @@ at::Tensor pack_f32_quant_weight(const at::Tensor& qweight, const at::Tensor& sc
   const QuantWeightArgs a = quant_weight_args("pack_f32_quant_weight", qweight, scales, zeros,
                                               bits, group_size, Vec::W);
   const int64_t n = a.n, groups = a.groups;
-  const at::Tensor &sc = a.scales, &zc = a.zeros;
+  const at::Tensor sc = scales.to(at::kFloat).contiguous();
+  const at::Tensor zc = bits == 4 ? zeros->to(at::kFloat).contiguous() : at::Tensor();
   const int64_t rec = f32_quant_record(bits);
   at::Tensor packed = at::zeros({n / Vec::W, groups, rec}, qweight.options().dtype(at::kByte));
   const uint8_t* q = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
@@ -372,19 +370,16 @@ at::Tensor linear_a8_impl(const at::Tensor& x, const at::Tensor& packed,
 // residual (M, N): the sum a decoder layer adds its o_proj and down outputs to.
 at::Tensor linear_f32_impl(const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias, const at::Tensor& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "linear_f32_packed: float32 x (M, K) with unit inner stride");
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (packed.scalar_type() == at::kChar) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-                "linear_f32_packed: float32 x (M, K) with unit inner stride");
-    return linear_a8_impl(x, packed, bias, residual);
-  }
+  if (packed.scalar_type() == at::kChar) return linear_a8_impl(x, packed, bias, residual);
 #endif
   const bool quant = packed.scalar_type() == at::kByte;
   const int64_t bits = !quant ? 32
                        : packed.dim() == 3 && packed.size(2) == f32_quant_record(4) ? 4
                        : packed.dim() == 3 && packed.size(2) == f32_quant_record(8) ? 8 : 0;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-                  packed.dim() == 3 && packed.is_contiguous() && bits &&
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && bits &&
                   (quant ? packed.size(1) * kF32QGroup == x.size(1)
                          : packed.scalar_type() == at::kFloat && packed.size(2) == Vec::W &&
                                packed.size(1) == x.size(1)),
