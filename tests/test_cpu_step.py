@@ -59,7 +59,9 @@ def test_fused_step_equals_layer_by_layer(model_dirs, arch, kv_cache_dtype, dtyp
     # two runners, each with its own cache: the fused one reads only the K/V it stored itself
     eager = make_runner(model_dirs[arch], dtype, kv_cache_dtype)
     runner = make_runner(model_dirs[arch], dtype, kv_cache_dtype)
-    assert runner.fuse_cpu_step() == "fused"
+    # (bf16 on a CPU with AMX may add from how many rows oneDNN takes prompt chunks: more
+    # than any batch here)
+    assert runner.fuse_cpu_step().split(";")[0] == "fused"
     assert eager.model.model.fused_layers is None
     a, b = ids(40, 1), ids(23, 2)
     steps = [
@@ -88,7 +90,7 @@ def test_fused_step_generates_what_the_eager_path_does(model_dirs, dtype):
                 enforce_eager=True)
     fused = LLM(model_dirs["llama"], dtype=dtype, num_blocks=64, block_size=BLOCK)
     assert eager.engine.info.cpu_step == "eager: --enforce-eager"
-    assert fused.engine.info.cpu_step == "fused"
+    assert fused.engine.info.cpu_step.split(";")[0] == "fused"
     from tokenmill import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [ids(n, 20 + n) for n in (5, 17, 33)]
@@ -124,7 +126,7 @@ def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
                                       quantization="int8"), num_blocks=64, block_size=BLOCK)
     # bf16 fuses only where the kernels multiply bf16 (AVX512-BF16); elsewhere it says so
     bf16 = make_runner(model_dirs["llama"], "bfloat16")
-    assert bf16.fuse_cpu_step() == (
+    assert bf16.fuse_cpu_step().split(";")[0] == (
         "fused" if FUSED["bfloat16"] else
         "eager: bf16 needs the CPU kernels' bf16 GEMM (AVX512-BF16)" if stack else
         kernels_reason)
@@ -132,3 +134,87 @@ def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
         assert runner.model.model.fused_layers is None
         logits = runner.forward([Chunk(ids(20, 5), 0, [1, 2])])
         assert logits.shape == (1, 96) and torch.isfinite(logits).all()
+
+
+# ----- prompt chunks through oneDNN where it measured faster (model/loader.py, ONEDNN_TRIAL) ----
+
+def test_dense_rows_from_takes_the_rows_where_onednn_stays_ahead():
+    from tokenmill.model.layers import dense_rows_from
+
+    # (packed seconds, oneDNN seconds) per rows
+    assert dense_rows_from({128: (1.0, 2.0), 256: (4.0, 2.0), 512: (8.0, 4.0)}) == 256
+    assert dense_rows_from({128: (3.0, 2.0), 256: (6.0, 4.0)}) == 128
+    assert dense_rows_from({128: (1.0, 2.0), 256: (2.0, 4.0)}) is None
+    # ahead at 128 rows but not beyond: packed throughout
+    assert dense_rows_from({128: (4.0, 2.0), 256: (2.0, 4.0)}) is None
+    # within the margin is not ahead
+    assert dense_rows_from({128: (1.1, 1.0)}) is None
+    assert dense_rows_from({128: (1.1, 1.0)}, margin=1.05) == 128
+    assert dense_rows_from({}) is None
+
+
+@pytest.mark.skipif(not FUSED["float32"], reason="the CPU kernels' float32 GEMM is not built")
+def test_prompt_chunks_run_through_onednn_from_the_rows_chosen(model_dirs, monkeypatch):
+    """The trial (forced on for float32 here; by default it runs for bf16 on a CPU with AMX)
+    times both kernels on real layers; from the rows chosen, a batch runs eagerly with its
+    linears on the dense weights, below them fused on the packed ones."""
+    from tokenmill.model import loader
+    from tokenmill.model.layers import ONEDNN_TRIAL_ROWS
+
+    seen = []
+    monkeypatch.setattr(loader, "ONEDNN_TRIAL", "always")
+    monkeypatch.setattr(loader, "dense_rows_from", lambda t: seen.append(t) or 16)
+    routed = make_runner(model_dirs["llama"], "float32")
+    eager_routed = make_runner(model_dirs["llama"], "float32")  # not fused: layer by layer
+    assert len(seen) == 2  # one trial per load
+    timings = seen[0]
+    assert tuple(timings) == ONEDNN_TRIAL_ROWS
+    assert all(packed > 0 and dense > 0 for packed, dense in timings.values())
+    linears = [m for m in routed.model.modules() if isinstance(m, Linear)]
+    assert all(m.dense_from_rows == 16 and m.weight is not None and m.packed_f32 is not None
+               for m in linears)
+    assert routed.fuse_cpu_step() == "fused; from 16 rows eager, linears through oneDNN"
+    monkeypatch.setattr(loader, "ONEDNN_TRIAL", "never")
+    plain = make_runner(model_dirs["llama"], "float32")
+    assert plain.fuse_cpu_step() == "fused"
+    assert all(m.dense_from_rows is None and m.weight is None
+               for m in plain.model.modules() if isinstance(m, Linear))
+    dense_calls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda *a: dense_calls.append(a[0].shape[0]) or linear(*a))
+    small = [Chunk(ids(9, 1), 0, [1]), Chunk(ids(6, 2), 0, [2])]  # 15 rows: fused, packed
+    large = [Chunk(ids(30, 3), 0, [3, 4]), Chunk([7], 9, [1])]  # 31 rows: eager, oneDNN
+    for chunks, calls in ((small, []), (large, [31] * (4 * COMMON["num_hidden_layers"] + 1))):
+        want = plain.forward(chunks, all_logits=True)
+        assert dense_calls == []
+        got = routed.forward(chunks, all_logits=True)
+        assert dense_calls == calls  # every linear and the output layer, or none
+        assert torch.isfinite(got).all()
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+        if chunks is small:
+            assert torch.equal(got, want)
+        dense_calls.clear()
+        # layer by layer the same choice is made: bit for bit
+        assert torch.equal(got, eager_routed.forward(chunks, all_logits=True))
+        assert dense_calls == calls
+        dense_calls.clear()
+
+
+@pytest.mark.skipif(not FUSED["float32"], reason="the CPU kernels' float32 GEMM is not built")
+def test_a_trial_that_keeps_the_packed_gemm_drops_the_dense_weights(model_dirs, monkeypatch):
+    from tokenmill.model import loader
+
+    monkeypatch.setattr(loader, "ONEDNN_TRIAL", "always")
+    monkeypatch.setattr(loader, "dense_rows_from", lambda t: None)
+    for arch in ("llama", "smollm2"):  # smollm2 ties its output layer to the embeddings
+        runner = make_runner(model_dirs[arch], "float32")
+        assert runner.fuse_cpu_step() == "fused"
+        model = runner.model
+        tied = model.lm_head.weight is not None and \
+            model.lm_head.weight is model.model.embed_tokens.weight
+        assert tied == (arch == "smollm2")
+        for m in model.modules():
+            if isinstance(m, Linear):
+                assert m.dense_from_rows is None
+                assert (m.weight is not None) == (m is model.lm_head and tied)

@@ -7,6 +7,7 @@ one loop over (name, tensor) pairs, fused projections included (see ``model/weig
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -59,11 +60,17 @@ class Linear(nn.Module):
         self.quant: QuantWeight | None = None
         self.quant_ops = None
         self.quant_parts: dict = {}  # shard id -> QuantWeight, while a checkpoint loads
+        # inputs of this many rows or more go to oneDNN on the dense weight, kept beside the
+        # packed one for them (route_to_onednn: where it measured faster, e.g. with AMX)
+        self.dense_from_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return quant_linear(x, self.quant, self.bias, self.quant_ops)
         ops = self.cpu_ops
+        if self.dense_from_rows is not None and x.numel() >= self.dense_from_rows * x.shape[-1]:
+            out = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+            return silu_and_mul(out, ops) if self.gated else out
         if self.packed_bf16 is not None:
             kernel = ops.linear_bf16_packed_silu if self.gated else ops.linear_bf16_packed
             return self._on_packed(x.to(torch.bfloat16), kernel, self.packed_bf16)
@@ -196,19 +203,87 @@ class Linear(nn.Module):
         return True
 
 
-def pack_linear_weights(module: nn.Module, ops=None, dtype: torch.dtype | None = None) -> int:
-    """``Linear.pack_for_cpu`` over every linear layer of ``module`` (``ops``: the compiled CPU
-    kernels, when in use; ``dtype``: the model's compute dtype); returns how many."""
+def _param_uses(module: nn.Module) -> dict[int, int]:
+    """How many places of ``module`` hold each parameter (2 for a tied embedding's)."""
     uses: dict[int, int] = {}
     for _, param in module.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
+    return uses
+
+
+def pack_linear_weights(module: nn.Module, ops=None, dtype: torch.dtype | None = None,
+                        keep_dense: bool = False) -> int:
+    """``Linear.pack_for_cpu`` over every linear layer of ``module`` (``ops``: the compiled CPU
+    kernels, when in use; ``dtype``: the model's compute dtype; ``keep_dense``: every dense
+    weight stays beside its packed one, for ``route_to_onednn``); returns how many."""
+    uses = _param_uses(module)
     packed = 0
     for layer in module.modules():
         if isinstance(layer, Linear) and layer.quant is not None:
             packed += layer.pack_for_cpu(keep_dense=False, ops=ops, dtype=dtype)
         elif isinstance(layer, Linear) and layer.weight is not None:
-            packed += layer.pack_for_cpu(keep_dense=uses[id(layer.weight)] > 1, ops=ops)
+            packed += layer.pack_for_cpu(keep_dense=keep_dense or uses[id(layer.weight)] > 1,
+                                         ops=ops)
     return packed
+
+
+# Rows of input at which route_to_onednn times the packed GEMM against oneDNN's, and how much
+# faster oneDNN must be to take them: a prompt chunk's sizes (a decode step's rows stay on the
+# packed weights and the fused step, whose host work oneDNN's path would add back)
+ONEDNN_TRIAL_ROWS = (128, 256, 512, 1024, 2048)
+ONEDNN_MARGIN = 1.15
+
+
+def dense_rows_from(timings: dict[int, tuple[float, float]],
+                    margin: float = ONEDNN_MARGIN) -> int | None:
+    """From ``{rows: (packed seconds, oneDNN seconds)}``: the fewest rows from which oneDNN was
+    at least ``margin`` times faster at every row count timed, or None (packed throughout)."""
+    start = None
+    for rows in sorted(timings, reverse=True):
+        packed, dense = timings[rows]
+        if packed < dense * margin:
+            break
+        start = rows
+    return start
+
+
+def time_packed_and_dense(layers: list[Linear], rows: tuple[int, ...] = ONEDNN_TRIAL_ROWS,
+                          repeats: int = 2) -> dict[int, tuple[float, float]]:
+    """``{rows: (packed seconds, oneDNN seconds)}`` for one forward through every layer of
+    ``layers`` (packed, their dense weights kept), best of ``repeats``."""
+    timings = {}
+    with torch.inference_mode():
+        for n in rows:
+            xs = [torch.randn(n, layer.weight.shape[1]).to(layer.weight.dtype) for layer in layers]
+            best = [math.inf, math.inf]
+            for _ in range(repeats + 1):  # the first round warms up
+                for i, dense in enumerate((None, n)):
+                    for layer in layers:
+                        layer.dense_from_rows = dense
+                    start = time.perf_counter()
+                    for layer, x in zip(layers, xs):
+                        layer(x)
+                    best[i] = min(best[i], time.perf_counter() - start)
+            timings[n] = (best[0], best[1])
+    for layer in layers:
+        layer.dense_from_rows = None
+    return timings
+
+
+def route_to_onednn(module: nn.Module, rows: int | None) -> None:
+    """Send inputs of ``rows`` rows or more through oneDNN on every packed layer that kept its
+    dense weight; None: packed throughout, and the dense weights that were kept only for this
+    are dropped (a weight another module shares stays)."""
+    uses = _param_uses(module)
+    for layer in module.modules():
+        if not isinstance(layer, Linear) or layer.weight is None or (
+                layer.packed_bf16 is None and layer.packed_f32 is None):
+            continue
+        if rows is not None:
+            layer.dense_from_rows = rows
+        elif uses[id(layer.weight)] == 1:
+            layer.dense_from_rows = None
+            layer.weight = None
 
 
 class Embedding(nn.Module):

@@ -14,7 +14,8 @@ from tokenmill.attention import AttentionBackend, default_backend, get_backend
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.cpu import load as load_cpu_kernels
-from tokenmill.model.layers import Embedding, Linear, pack_linear_weights
+from tokenmill.model.layers import Embedding, Linear, dense_rows_from, pack_linear_weights
+from tokenmill.model.layers import route_to_onednn, time_packed_and_dense
 from tokenmill.model.quant import INT4_GROUP, QUANTIZATIONS, QuantWeight, concat_rows
 from tokenmill.model.quant import quantize_fp8
 from tokenmill.model.quant import dequantize
@@ -22,6 +23,7 @@ from tokenmill.model.quant import quantize_int4, quantize_int8, takes_int8_activ
 from tokenmill.model.quant import use_int8_activations
 from tokenmill.model.registry import model_class
 from tokenmill.model_source import ModelSource, resolve_model
+from tokenmill.platform import cpu_features
 
 log = logging.getLogger("tokenmill.model")
 
@@ -43,6 +45,11 @@ _STACKED = {
 # float32 on the CPU kernels keeps a GGUF's quantized blocks in their bits (load_model); off,
 # they are dequantized at load (the same sums, 4-5x the memory)
 FLOAT32_IN_BITS = True
+
+# When to time the packed GEMM against oneDNN's at load and send prompt chunks to whichever is
+# faster (choose_onednn_rows): "amx", a bf16 model on a CPU with AMX, whose tiles oneDNN uses
+# and the packed GEMM (vdpbf16ps) does not; "always", any model with packed weights; "never"
+ONEDNN_TRIAL = "amx"
 
 
 @dataclass
@@ -97,7 +104,12 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     module = build_model(cfg, device, backend)
     load_weights(module, weights, str(source.path))
     described = quantize_model(module, quantization)
-    pack_linear_weights(module, ops, getattr(torch, cfg.dtype))
+    # where ONEDNN_TRIAL says, the dense weights stay beside the packed ones until
+    # choose_onednn_rows has timed both kernels
+    onednn_trial = ops is not None and not on_gpu and (ONEDNN_TRIAL == "always" or (
+        ONEDNN_TRIAL == "amx" and cfg.dtype == "bfloat16"
+        and getattr(ops, "has_bf16_gemm", False) and "amx_bf16" in cpu_features()))
+    pack_linear_weights(module, ops, getattr(torch, cfg.dtype), keep_dense=onednn_trial)
     if quantization == "none":
         described = unpack_leftovers(module, ops)
     else:
@@ -108,7 +120,26 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     for layer in module.modules():
         if hasattr(layer, "fuse_activation"):
             layer.fuse_activation()
+    if onednn_trial:
+        route_to_onednn(module, choose_onednn_rows(module))
     return LoadedModel(module, cfg, source, described)
+
+
+def choose_onednn_rows(module: nn.Module) -> int | None:
+    """The rows from which the first decoder layer's linears ran faster through oneDNN on
+    their dense weights than on the packed ones (``time_packed_and_dense``), or None."""
+    first = getattr(getattr(module, "model", None), "layers", [None])[0]
+    layers = [m for m in first.modules() if isinstance(m, Linear) and m.weight is not None
+              and (m.packed_bf16 is not None or m.packed_f32 is not None)] if first else []
+    if not layers:
+        return None
+    timings = time_packed_and_dense(layers)
+    rows = dense_rows_from(timings)
+    log.info("linear kernels, one layer's linears at %s: packed %s ms, oneDNN %s ms -> %s",
+             "/".join(map(str, timings)), "/".join(f"{t[0] * 1e3:.2f}" for t in timings.values()),
+             "/".join(f"{t[1] * 1e3:.2f}" for t in timings.values()),
+             f"oneDNN from {rows} rows" if rows else "packed throughout")
+    return rows
 
 
 def check_fp8(device: str, dtype: str) -> None:

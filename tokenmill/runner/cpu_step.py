@@ -28,11 +28,12 @@ class CpuStep:
         inner = model.model
         attn = inner.layers[0].self_attn
         self.dtype = inner.norm.weight.dtype
-        weights = []
+        weights, onednn = [], set()
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            packed = [getattr(lin, _PACKED[self.dtype])
-                      for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            packed = [getattr(lin, _PACKED[self.dtype]) for lin in linears]
+            onednn.update(lin.dense_from_rows for lin in linears)
             for t in (layer.input_layernorm.weight, packed[0], a.qkv_proj.bias,
                       packed[1], a.o_proj.bias, layer.post_attention_layernorm.weight,
                       packed[2], mlp.gate_up_proj.bias, packed[3], mlp.down_proj.bias):
@@ -41,10 +42,15 @@ class CpuStep:
             weights, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             inner.layers[0].input_layernorm.eps, attn.scale, TILE, CASCADE_TILE)
         self.backend: CpuPagedBackend = attn.backend
+        # batches of this many rows or more run eagerly, their linears through oneDNN
+        # (Linear.dense_from_rows, where it measured faster at load: prompt chunks with AMX)
+        onednn.discard(None)
+        self.dense_from_rows: int | None = min(onednn) if onednn else None
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if h.dtype != self.dtype or self.backend._reference_for(kv_caches[0], h.dtype):
+        if (h.dtype != self.dtype or self.backend._reference_for(kv_caches[0], h.dtype)
+                or (self.dense_from_rows is not None and h.shape[0] >= self.dense_from_rows)):
             return None
         plan = self.backend.plan(meta)
         cos, sin = rope

@@ -1,0 +1,96 @@
+"""Attention backends timed on the default model's shapes (9 query heads, 3 KV heads, head_dim 64):
+decode batches at several context lengths, a shared-prefix decode batch (cascade), and prompt
+chunks. One layer per call; per-step cost is ~30x (the model's layers).
+
+    python3 benchmarks/attention_speed.py [--dtype float32|bfloat16] [--backends torch,cpu]
+                                          [--kv-cache-dtype auto|int8|bfloat16] [--layers 30]
+
+One layer's K/V fits in L3, a step's do not: with ``--layers L`` each call attends with the next
+of L copies of the cache (the batch's metadata built once per L calls, as a step builds it
+once), so K/V come from memory as in a real step and the figure is the mean per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from machine import machine  # noqa: E402  (benchmarks/machine.py)
+from test_attention import make_case  # noqa: E402  (random paged batches)
+
+from tokenmill.attention import get_backend  # noqa: E402
+from tokenmill.runner.batch import build_flat_batch  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+CASES = {
+    "decode 1 x ctx 1024": dict(shapes=[(1023, 1)]),
+    "decode 1 x ctx 4096": dict(shapes=[(4095, 1)]),
+    "decode 3 x ctx 1024": dict(shapes=[(1023, 1)]*3),
+    "decode 2 x ctx 1024": dict(shapes=[(1023, 1)]*2),
+    "decode 32 x ctx 256": dict(shapes=[(255, 1)] * 32),
+    "decode 32 x ctx 1100": dict(shapes=[(1099, 1)] * 32),
+    "decode 32 x ctx 1100, 1024 shared": dict(shapes=[(1099, 1)] * 32, shared_blocks=64),
+    "decode 1 x ctx 256": dict(shapes=[(255, 1)]),
+    "prefill 4 x 128": dict(shapes=[(0, 128)] * 4),
+    "prefill 1 x 1024": dict(shapes=[(0, 1024)]),
+    "chunk 64 after 1024 cached x 8": dict(shapes=[(1024, 64)] * 8, shared_blocks=64),
+    # a prompt chunk beside decode rows: the work items differ in cost (share_tasks)
+    "prefill 512 + decode 31 x ctx 256": dict(shapes=[(0, 512)] + [(255, 1)] * 31),
+}
+
+
+def time_call(fn, min_time: float = 0.5) -> float:
+    fn()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_time:
+        fn()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--backends", default="torch,cpu")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "bfloat16"])
+    ap.add_argument("--layers", type=int, default=1,
+                    help="copies of the cache attended in turn (30: K/V from memory)")
+    args = ap.parse_args()
+    import random
+
+    dtype = getattr(torch, args.dtype)
+    results = {"machine": machine(), "threads": torch.get_num_threads(), "dtype": args.dtype,
+               "kv_cache_dtype": args.kv_cache_dtype, "layers": args.layers, "ms_per_layer": {}}
+    for name, case in list(CASES.items())[:5]:
+        row = {}
+        for backend in args.backends.split(","):
+            be = get_backend(backend)
+            chunks, kv, q, k, v, _ = make_case(random.Random(0), heads=HEADS, kv_heads=KV_HEADS,
+                                               head_dim=HEAD_DIM, block_size=BLOCK, dtype=dtype,
+                                               backend=backend,
+                                               kv_cache_dtype=args.kv_cache_dtype, **case)
+
+            caches = [kv] + [tuple(t.clone() for t in kv) for _ in range(args.layers - 1)]
+
+            def call():
+                meta = build_flat_batch(chunks, BLOCK, "cpu").meta
+                for cache in caches:
+                    be.forward(q, k, v, cache, meta, HEAD_DIM ** -0.5)
+
+            with torch.inference_mode():
+                row[backend] = round(time_call(call) * 1e3 / len(caches), 3)
+        results["ms_per_layer"][name] = row
+        print(f"{name:36} " + "  ".join(f"{b} {ms:8.3f} ms" for b, ms in row.items()), flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
