@@ -57,8 +57,8 @@ class ModelRunner:
 
     def fuse_cpu_step(self) -> str:
         """Run the decoder layers through one C++ call per forward where the model allows it
-        (``cpu_step.py``); returns what the engine reports: "fused" (and from how many rows a batch
-        runs eagerly, its linears through oneDNN: ``CpuStep.dense_from_rows``), or
+        (``cpu_step.py``); returns what the engine reports: "fused" (and from how many rows
+        a batch runs eagerly, its linears through oneDNN: ``CpuStep.dense_from_rows``), or
         "eager: <why not>"."""
         why = unsupported(self.model)
         if why is not None:
