@@ -84,6 +84,12 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def packed_beside_dense(self) -> bool:
+        """Whether the layer holds a packed weight and its dense one too (for oneDNN:
+        ``route_to_onednn``)."""
+        return self.weight is not None and (self.packed_bf16 is not None
+                                            or self.packed_f32 is not None)
+
     def _on_packed(self, x: torch.Tensor, kernel, packed: torch.Tensor) -> torch.Tensor:
         """A packed-weight kernel (it takes rows with a unit inner stride) over ``x``'s rows,
         any leading dimensions."""
@@ -276,8 +282,7 @@ def route_to_onednn(module: nn.Module, rows: int | None) -> None:
     are dropped (a weight another module shares stays)."""
     uses = _param_uses(module)
     for layer in module.modules():
-        if not isinstance(layer, Linear) or layer.weight is None or (
-                layer.packed_bf16 is None and layer.packed_f32 is None):
+        if not isinstance(layer, Linear) or not layer.packed_beside_dense():
             continue
         if rows is not None:
             layer.dense_from_rows = rows

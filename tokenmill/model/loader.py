@@ -129,8 +129,8 @@ def choose_onednn_rows(module: nn.Module) -> int | None:
     """The rows from which the first decoder layer's linears ran faster through oneDNN on
     their dense weights than on the packed ones (``time_packed_and_dense``), or None."""
     first = getattr(getattr(module, "model", None), "layers", [None])[0]
-    layers = [m for m in first.modules() if isinstance(m, Linear) and m.weight is not None
-              and (m.packed_bf16 is not None or m.packed_f32 is not None)] if first else []
+    layers = [m for m in first.modules()
+              if isinstance(m, Linear) and m.packed_beside_dense()] if first else []
     if not layers:
         return None
     timings = time_packed_and_dense(layers)

@@ -152,7 +152,7 @@ inline __m256i a8_broadcast(const int8_t* p) {
 
 // ROWS rows of x (from row m0 of `xr`) times one column block (its first record at `rec`),
 // into acc[r] (8 columns)
-template <int ROWS, int64_t BITS>
+template <int64_t ROWS, int64_t BITS>
 inline void a8_tile(const A8Rows& xr, int64_t m0, int64_t k_len, const uint8_t* rec,
                     __m256 (&acc)[ROWS]) {
   const int64_t groups = k_len / kA8Group;
@@ -205,7 +205,7 @@ inline void a8_tile(const A8Rows& xr, int64_t m0, int64_t k_len, const uint8_t* 
 }
 
 // ROWS rows from m0 times one column block into `o`: the sums, + bias, + residual
-template <int ROWS, int64_t BITS>
+template <int64_t ROWS, int64_t BITS>
 void a8_store_tile(const A8Rows& xr, int64_t m0, int64_t k_len, const uint8_t* rec,
                    const F32Out& o) {
   __m256 acc[ROWS];
@@ -221,14 +221,9 @@ void a8_store_tile(const A8Rows& xr, int64_t m0, int64_t k_len, const uint8_t* r
 template <int64_t BITS>
 void a8_rows(const A8Rows& xr, int64_t m0, int64_t rows, int64_t k_len, const uint8_t* rec,
              const F32Out& o) {
-  for (int64_t m = m0; m < m0 + rows; m += kA8Rows) {
-    switch (std::min<int64_t>(kA8Rows, m0 + rows - m)) {
-      case 4: a8_store_tile<4, BITS>(xr, m, k_len, rec, o); break;
-      case 3: a8_store_tile<3, BITS>(xr, m, k_len, rec, o); break;
-      case 2: a8_store_tile<2, BITS>(xr, m, k_len, rec, o); break;
-      default: a8_store_tile<1, BITS>(xr, m, k_len, rec, o); break;
-    }
-  }
+  row_tiles<kA8Rows>(rows, [&](auto tile, int64_t row) {
+    a8_store_tile<decltype(tile)::value, BITS>(xr, m0 + row, k_len, rec, o);
+  });
 }
 
 // linear_f32_packed for a weight packed by pack_a8_weight (x checked by linear_f32_impl)
