@@ -57,7 +57,7 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def single(args) -> dict:
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(MODEL, max_num_seqs=8, **engine_options(args))
+    llm = LLM(args.model, max_num_seqs=8, **engine_options(args))
     vocab = llm.engine.info.vocab_size
     ttft, total = [], []
     for i in range(6):  # the first is a warm-up
@@ -80,7 +80,7 @@ def single(args) -> dict:
 def offline(args, n: int) -> dict:
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(MODEL, max_num_seqs=n, max_num_batched_tokens=max(8192, args.input_len * 8),
+    llm = LLM(args.model, max_num_seqs=n, max_num_batched_tokens=max(8192, args.input_len * 8),
               **engine_options(args))
     vocab = llm.engine.info.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -104,7 +104,7 @@ def steps(args, batch: int) -> dict:
     from tokenmill import LLM
     from tokenmill.runner.batch import Chunk
 
-    llm = LLM(MODEL, max_num_seqs=max(batch, 8), **engine_options(args))
+    llm = LLM(args.model, max_num_seqs=max(batch, 8), **engine_options(args))
     runner = llm.engine.runner
     ctx = args.input_len
     per_seq = -(-(ctx + 64) // runner.block_size)
@@ -139,7 +139,7 @@ def serve(args, concurrencies: list[int]) -> list[dict]:
     from tokenmill.bench import main as bench
 
     port = args.port
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", MODEL, "--port", str(port),
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", args.model, "--port", str(port),
            "--device", args.device, "--dtype", args.dtype, "--quantization", args.quantization,
            "--kv-cache-dtype", args.kv_cache_dtype,
            "--max-num-seqs", str(max(concurrencies))]
@@ -162,7 +162,7 @@ def serve(args, concurrencies: list[int]) -> list[dict]:
             settings = dict(workload="random", input_len=args.input_len,
                             output_len=args.output_len, num_prompts=max(16, 2 * c))
             a = bench_args(settings, url, seed=c)
-            a.model = a.tokenizer = MODEL
+            a.model = a.tokenizer = args.model
             tok = bench._tokenizer(a)
             reqs = bench.build_workload(a, tok)
             s = asyncio.run(bench.run_once(a, reqs, tok, c, float("inf")))
@@ -191,11 +191,11 @@ def quality(args) -> dict:
                 "gpu fp8 KV": dict(gpu, kv_cache_dtype="fp8")}
     outs, ppl = {}, {}
     for name, opts in settings.items():
-        llm = LLM(MODEL, kv_cache_memory=256 << 20, **opts)
+        llm = LLM(args.model, kv_cache_memory=256 << 20, **opts)
         outs[name] = [o.outputs[0].token_ids for o in
                       llm.generate(PROMPTS, params, use_tqdm=False)]
         del llm
-        ppl[name] = round(perplexity(MODEL, **opts).perplexity, 4)
+        ppl[name] = round(perplexity(args.model, **opts).perplexity, 4)
 
     def agree(a: str, b: str) -> float:
         pairs = [(x, y) for p, q in zip(outs[a], outs[b]) for x, y in zip(p, q)]
@@ -220,6 +220,8 @@ def ints(text: str) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=MODEL,
+                    help="a known name, a .gguf file or a Hugging Face directory")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none")

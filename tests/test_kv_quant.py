@@ -11,7 +11,7 @@ import torch
 
 from tests.test_attention import BACKENDS, CASES, make_case
 from tokenmill.attention import get_backend
-from tokenmill.attention.kv_quant import SCALE_BYTES, pack, quantize, unpack
+from tokenmill.attention.kv_quant import QUANT_MAX, SCALE_BYTES, pack, quantize, unpack
 from tokenmill.config import ModelConfig
 from tokenmill.runner import kv_cache
 from tokenmill.runner.batch import Chunk, build_flat_batch
@@ -20,6 +20,7 @@ from tokenmill.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_kv
 # the default model's shape (SmolLM2-135M)
 SMOLLM2 = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def vectors(dtype: torch.dtype) -> torch.Tensor:
@@ -227,6 +228,29 @@ def test_unknown_kv_cache_dtype_is_refused(bad):
                  lambda: allocate_kv_cache(SMOLLM2, 2, 16, "cpu", torch.float32, bad)):
         with pytest.raises(ValueError, match="auto, bfloat16, int8, fp8"):
             call()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.uint8])
+def test_a_scale_that_is_a_float16_stays_exact(cache_dtype):
+    """absmax / qmax that is exactly a float16 is the scale itself, not the next float16 up (a
+    reciprocal multiply, CUDA's division by a Python number, lands an ulp above it)."""
+    qmax = QUANT_MAX[cache_dtype]
+    scales = torch.tensor([2.0 ** -7, 0.0078125 * 3, 1.5, 2.0 ** -14, 0.0109863],
+                          dtype=torch.float16)
+    x = torch.zeros(len(scales), 8)
+    x[:, 3] = scales.float() * qmax
+    assert torch.equal(x[:, 3] / qmax, scales.float())  # exact quotients, by construction
+    for device in DEVICES:
+        _, got = quantize(x.to(device), cache_dtype)
+        assert torch.equal(got.cpu(), scales), device
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_packs_the_same_bytes_as_the_cpu(dtype, cache_dtype):
+    x = torch.randn(50_000, 64, generator=torch.Generator().manual_seed(1)).mul(3).to(dtype)
+    assert torch.equal(pack(x.cuda(), cache_dtype).cpu(), pack(x, cache_dtype))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

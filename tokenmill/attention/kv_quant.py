@@ -56,7 +56,11 @@ def quantize(x: torch.Tensor, cache_dtype: torch.dtype = torch.int8
     """``x`` (..., D) float -> (values (..., D) in ``cache_dtype``: int8, or fp8 bits as uint8;
     float16 scales (...))."""
     xf = x.float()
-    scale = round_up_half(xf.abs().amax(-1) / QUANT_MAX[cache_dtype])
+    absmax = xf.abs().amax(-1)
+    # divided by a tensor, not a Python number: CUDA divides by a number as a multiply by its
+    # rounded reciprocal, which is off by an ulp for about half the rows and, where the exact
+    # quotient is a float16, moves the scale up a step; the bytes would then depend on the device
+    scale = round_up_half(absmax / torch.full_like(absmax, QUANT_MAX[cache_dtype]))
     s = scale.float().unsqueeze(-1)
     scaled = xf / torch.where(s > 0, s, 1.0)
     if cache_dtype == torch.uint8:

@@ -50,6 +50,8 @@ TILE_ROWS = 16
 MAX_SPLITS = 16
 # Split the keys while the batch has at most this many query tiles per KV head.
 SPLIT_BELOW_TILES = 128
+# tl.dot's smallest inner dimension on a GPU: narrower heads and smaller blocks are padded to it
+MIN_DOT = 16
 
 
 @triton.jit
@@ -67,48 +69,53 @@ def _store_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 @triton.jit
-def _load_kv_block(cache_ptr, scale_ptr, block, kv_head, offs_n, offs_d, mask_nd,
+def _load_kv_block(cache_ptr, scale_ptr, block, kv_head, offs_n, n_ok, offs_d, d_ok,
                    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, KV_FORMAT: tl.constexpr):
-    """(BLOCK_SIZE, HEAD_PAD) K or V rows of one block and KV head: as stored, or dequantized
-    to float32."""
+    """(KEY_PAD, HEAD_PAD) K or V rows of one block and KV head: as stored, or dequantized
+    to float32; rows and columns outside ``n_ok`` / ``d_ok`` are zeros and read nothing."""
     row_len = HEAD_DIM + 2 if KV_FORMAT != 0 else HEAD_DIM  # bytes: values then the scale
-    rows = (block.to(tl.int64) * BLOCK_SIZE + offs_n) * NUM_KV_HEADS + kv_head  # (BLOCK_SIZE,)
-    x = tl.load(cache_ptr + rows[:, None] * row_len + offs_d[None, :], mask=mask_nd, other=0)
-    if KV_FORMAT == 0:
-        return x
-    # the float16 scale sits after the values: element HEAD_DIM // 2 of the row read as fp16
-    scale = tl.load(scale_ptr + rows * (row_len // 2) + HEAD_DIM // 2).to(tl.float32)
-    if KV_FORMAT == 1:
-        vals = x.to(tl.float32)
-    else:
-        vals = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return vals * scale[:, None]
+    rows = (block.to(tl.int64) * BLOCK_SIZE + offs_n) * NUM_KV_HEADS + kv_head  # (KEY_PAD,)
+    x = tl.load(cache_ptr + rows[:, None] * row_len + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0)
+    # one return at the end: the compiler (unlike the interpreter) goes on past a return inside
+    # a constexpr branch and would compile the fp8 bitcast of a bf16 / fp32 cache too
+    if KV_FORMAT != 0:
+        # the float16 scale sits after the values: element HEAD_DIM // 2 of the row read as fp16
+        scale = tl.load(scale_ptr + rows * (row_len // 2) + HEAD_DIM // 2, mask=n_ok,
+                        other=0).to(tl.float32)
+        if KV_FORMAT == 1:
+            vals = x.to(tl.float32)
+        else:
+            vals = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        x = vals * scale[:, None]
+    return x
 
 
 @triton.jit
 def _attend_block(q, m, l, acc, b, seq, visible, num_keys, offs_d, d_ok, kv_head,
                   k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                   table_stride, scale, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, KV_FORMAT: tl.constexpr, PRECISION: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, KV_FORMAT: tl.constexpr, PRECISION: tl.constexpr,
+                  KEY_PAD: tl.constexpr):
     """One step of online softmax: the tile's rows against the keys of block ``b`` of ``seq``.
     The products run in q's dtype (bf16 / fp16 on tensor cores; float32 exactly, not TF32),
-    accumulated in float32."""
-    offs_n = tl.arange(0, BLOCK_SIZE)
+    accumulated in float32. A block of fewer than 16 keys is padded to ``KEY_PAD`` = 16 rows
+    (masked): the compiled ``tl.dot`` takes no smaller inner dimension."""
+    offs_n = tl.arange(0, KEY_PAD)
     block = tl.load(block_tables_ptr + seq.to(tl.int64) * table_stride + b)
     key_pos = b * BLOCK_SIZE + offs_n
-    n_ok = key_pos < num_keys
-    mask_nd = n_ok[:, None] & d_ok[None, :]
-    k = _load_kv_block(k_cache_ptr, k_scale_ptr, block, kv_head, offs_n, offs_d, mask_nd,
+    n_ok = (offs_n < BLOCK_SIZE) & (key_pos < num_keys)
+    k = _load_kv_block(k_cache_ptr, k_scale_ptr, block, kv_head, offs_n, n_ok, offs_d, d_ok,
                        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, KV_FORMAT).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (ROWS, BLOCK_SIZE)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (ROWS, KEY_PAD)
     seen = (key_pos[None, :] <= visible[:, None]) & n_ok[None, :]
     s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m - m_safe)
-    v = _load_kv_block(v_cache_ptr, v_scale_ptr, block, kv_head, offs_n, offs_d, mask_nd,
+    v = _load_kv_block(v_cache_ptr, v_scale_ptr, block, kv_head, offs_n, n_ok, offs_d, d_ok,
                        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, KV_FORMAT).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
     l = l * alpha + tl.sum(p, axis=1)
@@ -124,7 +131,7 @@ def _paged_attention(
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
         KV_FORMAT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-        INTERPRET: tl.constexpr):
+        KEY_PAD: tl.constexpr, INTERPRET: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -178,7 +185,7 @@ def _paged_attention(
                     q, m, l, acc, b, seq, visible, num_keys, offs_d, d_ok, kv_head,
                     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                     table_stride, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, KV_FORMAT,
-                    PRECISION)
+                    PRECISION, KEY_PAD)
                 b += 1
         else:
             for b in range(block_lo, block_hi):
@@ -186,7 +193,7 @@ def _paged_attention(
                     q, m, l, acc, b, seq, visible, num_keys, offs_d, d_ok, kv_head,
                     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                     table_stride, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, KV_FORMAT,
-                    PRECISION)
+                    PRECISION, KEY_PAD)
 
         out_mask = row_ok[:, None] & d_ok[None, :]
         o = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row without keys: zeros
@@ -265,7 +272,7 @@ class TritonPagedBackend(AttentionBackend):
         # the interpreter, whose bfloat16 dot is wrong (float16's is right: the same code path)
         dot_fp32 = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)
         out = torch.empty_like(q)
-        head_pad = _next_pow2(head_dim)
+        head_pad = max(MIN_DOT, _next_pow2(head_dim))  # the inner dimension of q @ k^T
         if splits > 1:
             part_out = torch.empty((splits, num_tokens, num_heads, head_pad),
                                    dtype=torch.float32, device=q.device)
@@ -283,7 +290,8 @@ class TritonPagedBackend(AttentionBackend):
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad,
             HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_Q=block_q, BLOCK_SIZE=block_size,
             NUM_SPLITS=splits, KV_FORMAT=fmt, PRECISION="ieee" if dot_fp32 else "tf32",
-            DOT_FP32=dot_fp32, INTERPRET=INTERPRETED)
+            DOT_FP32=dot_fp32, KEY_PAD=max(MIN_DOT, _next_pow2(block_size)),
+            INTERPRET=INTERPRETED)
         if splits > 1:
             _merge_splits[(num_tokens * num_heads,)](
                 part_out, part_lse, out, num_tokens, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
