@@ -136,7 +136,7 @@ def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
         assert logits.shape == (1, 96) and torch.isfinite(logits).all()
 
 
-# ----- prompt chunks through oneDNN where it measured faster (model/loader.py, ONEDNN_TRIAL) ----
+# ----- batches through oneDNN where it measured faster (model/loader.py, ONEDNN_TRIAL) ---------
 
 def test_dense_rows_from_takes_the_rows_where_onednn_stays_ahead():
     from tokenmill.model.layers import dense_rows_from
@@ -154,7 +154,7 @@ def test_dense_rows_from_takes_the_rows_where_onednn_stays_ahead():
 
 
 @pytest.mark.skipif(not FUSED["float32"], reason="the CPU kernels' float32 GEMM is not built")
-def test_prompt_chunks_run_through_onednn_from_the_rows_chosen(model_dirs, monkeypatch):
+def test_batches_run_through_onednn_from_the_rows_chosen(model_dirs, monkeypatch):
     """The trial (forced on for float32 here; by default it runs for bf16 on a CPU with AMX)
     times both kernels on real layers; from the rows chosen, a batch runs eagerly with its
     linears on the dense weights, below them fused on the packed ones."""

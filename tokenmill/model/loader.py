@@ -46,9 +46,10 @@ _STACKED = {
 # they are dequantized at load (the same sums, 4-5x the memory)
 FLOAT32_IN_BITS = True
 
-# When to time the packed GEMM against oneDNN's at load and send prompt chunks to whichever is
-# faster (choose_onednn_rows): "amx", a bf16 model on a CPU with AMX, whose tiles oneDNN uses
-# and the packed GEMM (vdpbf16ps) does not; "always", any model with packed weights; "never"
+# When to time the packed GEMM against oneDNN's at load and send batches of enough rows (decode
+# or prompt) to whichever is faster (choose_onednn_rows): "amx", a bf16 model on a CPU with AMX,
+# whose tiles oneDNN uses and the packed GEMM (vdpbf16ps) does not; "always", any model with
+# packed weights; "never"
 ONEDNN_TRIAL = "amx"
 
 

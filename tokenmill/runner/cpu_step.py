@@ -43,7 +43,7 @@ class CpuStep:
             inner.layers[0].input_layernorm.eps, attn.scale, TILE, CASCADE_TILE)
         self.backend: CpuPagedBackend = attn.backend
         # batches of this many rows or more run eagerly, their linears through oneDNN
-        # (Linear.dense_from_rows, where it measured faster at load: prompt chunks with AMX)
+        # (Linear.dense_from_rows, where it measured faster at load: bf16 with AMX)
         onednn.discard(None)
         self.dense_from_rows: int | None = min(onednn) if onednn else None
 
