@@ -156,8 +156,9 @@ def test_dense_rows_from_takes_the_rows_where_onednn_stays_ahead():
 @pytest.mark.skipif(not FUSED["float32"], reason="the CPU kernels' float32 GEMM is not built")
 def test_batches_run_through_onednn_from_the_rows_chosen(model_dirs, monkeypatch):
     """The trial (forced on for float32 here; by default it runs for bf16 on a CPU with AMX)
-    times both kernels on real layers; from the rows chosen, a batch runs eagerly with its
-    linears on the dense weights, below them fused on the packed ones."""
+    times both kernels on real layers; from the rows chosen, a batch's linears multiply on the
+    dense weights through oneDNN, in the fused step as layer by layer, and below them on the
+    packed ones."""
     from tokenmill.model import loader
     from tokenmill.model.layers import ONEDNN_TRIAL_ROWS
 
@@ -173,7 +174,7 @@ def test_batches_run_through_onednn_from_the_rows_chosen(model_dirs, monkeypatch
     linears = [m for m in routed.model.modules() if isinstance(m, Linear)]
     assert all(m.dense_from_rows == 16 and m.weight is not None and m.packed_f32 is not None
                for m in linears)
-    assert routed.fuse_cpu_step() == "fused; from 16 rows eager, linears through oneDNN"
+    assert routed.fuse_cpu_step() == "fused; linears through oneDNN from 16 rows"
     monkeypatch.setattr(loader, "ONEDNN_TRIAL", "never")
     plain = make_runner(model_dirs["llama"], "float32")
     assert plain.fuse_cpu_step() == "fused"
@@ -183,22 +184,30 @@ def test_batches_run_through_onednn_from_the_rows_chosen(model_dirs, monkeypatch
     linear = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear",
                         lambda *a: dense_calls.append(a[0].shape[0]) or linear(*a))
-    small = [Chunk(ids(9, 1), 0, [1]), Chunk(ids(6, 2), 0, [2])]  # 15 rows: fused, packed
-    large = [Chunk(ids(30, 3), 0, [3, 4]), Chunk([7], 9, [1])]  # 31 rows: eager, oneDNN
-    for chunks, calls in ((small, []), (large, [31] * (4 * COMMON["num_hidden_layers"] + 1))):
+    small = [Chunk(ids(9, 1), 0, [1]), Chunk(ids(6, 2), 0, [2])]  # 15 rows: packed
+    large = [Chunk(ids(30, 3), 0, [3, 4]), Chunk([7], 9, [1])]  # 31 rows: oneDNN
+    got = {}
+    for chunks in (small, large):
         want = plain.forward(chunks, all_logits=True)
         assert dense_calls == []
-        got = routed.forward(chunks, all_logits=True)
-        assert dense_calls == calls  # every linear and the output layer, or none
-        assert torch.isfinite(got).all()
-        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+        got[len(chunks[0].token_ids)] = out = routed.forward(chunks, all_logits=True)
+        # the fused step calls oneDNN from C++: only the output layer is a Python F.linear
+        assert dense_calls == ([] if chunks is small else [31])
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out, want, atol=1e-4, rtol=1e-4)
         if chunks is small:
-            assert torch.equal(got, want)
+            assert torch.equal(out, want)
         dense_calls.clear()
-        # layer by layer the same choice is made: bit for bit
-        assert torch.equal(got, eager_routed.forward(chunks, all_logits=True))
-        assert dense_calls == calls
+        # layer by layer, every linear and the output layer through F.linear: the same bits
+        assert torch.equal(out, eager_routed.forward(chunks, all_logits=True))
+        layers = COMMON["num_hidden_layers"]
+        assert dense_calls == ([] if chunks is small else [31] * (4 * layers + 1))
         dense_calls.clear()
+    # the fused step reads the packed weights below the rows and never from them
+    for m in linears:
+        m.packed_f32.zero_()
+    assert torch.equal(routed.forward(large, all_logits=True), got[30])
+    assert not torch.equal(routed.forward(small, all_logits=True), got[9])
 
 
 @pytest.mark.skipif(not FUSED["float32"], reason="the CPU kernels' float32 GEMM is not built")

@@ -234,9 +234,9 @@ def pack_linear_weights(module: nn.Module, ops=None, dtype: torch.dtype | None =
 
 
 # Rows of input at which the loader times the packed GEMM against oneDNN's, and how much faster
-# oneDNN must be to take them: decode batches of 16 sequences and more, and prompt chunks. The
-# margin pays for the layer-by-layer step that such batches then run (on a 2-core AMX Xeon a
-# 32-sequence decode step took 64-68 ms that way against 83-95 ms fused on the packed weights)
+# oneDNN must be to take them: decode batches of 16 sequences and more, and prompt chunks (on a
+# 2-core AMX Xeon a 32-sequence decode step took 64-68 ms through oneDNN, layer by layer,
+# against 83-95 ms fused on the packed weights)
 ONEDNN_TRIAL_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 ONEDNN_MARGIN = 1.15
 

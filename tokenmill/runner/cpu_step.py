@@ -34,23 +34,26 @@ class CpuStep:
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             packed = [getattr(lin, _PACKED[self.dtype]) for lin in linears]
             onednn.update(lin.dense_from_rows for lin in linears)
+            dense = [lin.weight if lin.dense_from_rows is not None else None for lin in linears]
             for t in (layer.input_layernorm.weight, packed[0], a.qkv_proj.bias,
                       packed[1], a.o_proj.bias, layer.post_attention_layernorm.weight,
-                      packed[2], mlp.gate_up_proj.bias, packed[3], mlp.down_proj.bias):
+                      packed[2], mlp.gate_up_proj.bias, packed[3], mlp.down_proj.bias, *dense):
                 weights.append(_NONE if t is None else t.detach())
+        # batches of this many rows or more multiply on the dense weights through oneDNN, still
+        # in the one call (Linear.dense_from_rows, where it measured faster at load: bf16 with
+        # AMX); route_to_onednn gives every linear the same rows, or none of them
+        if len(onednn) > 1:
+            raise ValueError(f"CpuStep: the linears route different rows to oneDNN: {onednn}")
+        self.dense_from_rows: int | None = onednn.pop() if onednn else None
         self.stack = attn.backend.ops.DecoderStack(
             weights, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            inner.layers[0].input_layernorm.eps, attn.scale, TILE, CASCADE_TILE)
+            inner.layers[0].input_layernorm.eps, attn.scale, TILE, CASCADE_TILE,
+            self.dense_from_rows or 0)
         self.backend: CpuPagedBackend = attn.backend
-        # batches of this many rows or more run eagerly, their linears through oneDNN
-        # (Linear.dense_from_rows, where it measured faster at load: bf16 with AMX)
-        onednn.discard(None)
-        self.dense_from_rows: int | None = min(onednn) if onednn else None
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if (h.dtype != self.dtype or self.backend._reference_for(kv_caches[0], h.dtype)
-                or (self.dense_from_rows is not None and h.shape[0] >= self.dense_from_rows)):
+        if h.dtype != self.dtype or self.backend._reference_for(kv_caches[0], h.dtype):
             return None
         plan = self.backend.plan(meta)
         cos, sin = rope

@@ -58,14 +58,14 @@ class ModelRunner:
     def fuse_cpu_step(self) -> str:
         """Run the decoder layers through one C++ call per forward where the model allows it
         (``cpu_step.py``); returns what the engine reports: "fused" (and from how many rows
-        a batch runs eagerly, its linears through oneDNN: ``CpuStep.dense_from_rows``), or
+        a batch's linears run through oneDNN: ``CpuStep.dense_from_rows``), or
         "eager: <why not>"."""
         why = unsupported(self.model)
         if why is not None:
             return f"eager: {why}"
         step = self.model.model.fused_layers = CpuStep(self.model)
         if step.dense_from_rows is not None:
-            return f"fused; from {step.dense_from_rows} rows eager, linears through oneDNN"
+            return f"fused; linears through oneDNN from {step.dense_from_rows} rows"
         return "fused"
 
     def graphs_description(self) -> str:

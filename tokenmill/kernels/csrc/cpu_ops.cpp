@@ -30,6 +30,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -1405,7 +1406,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderStack>(m, "DecoderStack",
                            "the decoder layers of a bf16 or float32 model, run in one call")
       .def(py::init<const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, double, double,
-                    int64_t, int64_t>())
+                    int64_t, int64_t, int64_t>())
       .def("forward", &DecoderStack::forward, release());
   m.def("rms_norm_f32", &rms_norm_f32,
         "float32 rms_norm with PyTorch's roundings (its own mean), in three calls", release());

@@ -21,6 +21,12 @@
 // (linear_f32_packed_add: the linear's sum, then + residual), every linear on the packed
 // float32 GEMM (f32_gemm.h; with --quantization, on int8 rows of x: a8_gemm.h, as the eager
 // path does too). Included by cpu_ops.cpp after the GEMM headers.
+//
+// Where the load-time trial found oneDNN faster from some number of rows (model/loader.py,
+// choose_onednn_rows: bf16 on a CPU with AMX), a batch of that many rows or more multiplies on
+// the dense weights through at::linear, the op the eager path's F.linear calls, and the gate/up
+// then SiLU·mul as the eager path does, so the step stays fused and its results the eager
+// path's, bit for bit.
 
 #pragma once
 
@@ -66,15 +72,18 @@ class DecoderStack {
   // Per layer, in this order (an empty tensor for a missing bias): input norm weight, packed
   // qkv, qkv bias, packed o, o bias, post-attention norm weight, packed gate/up (bf16: column
   // blocks interleaved, see linear_bf16_packed_silu, and no bias), gate/up bias, packed down,
-  // down bias. All weights bf16 (packed by pack_bf16_weight), or all for the float32 GEMM
-  // (pack_f32_weight, or pack_f32_quant_weight for weights kept in 4 or 8 bits); the norm
-  // weights are in the compute dtype.
-  static constexpr size_t kPerLayer = 10;
+  // down bias, then the dense qkv, o, gate/up and down weights for oneDNN (all four, or four
+  // empty tensors). All packed weights bf16 (packed by pack_bf16_weight), or all for the float32
+  // GEMM (pack_f32_weight, or pack_f32_quant_weight for weights kept in 4 or 8 bits); the norm
+  // and dense weights are in the compute dtype. dense_from_rows: batches of this many rows or
+  // more multiply on the dense weights (0: never).
+  static constexpr size_t kPerLayer = 14;
 
   DecoderStack(const std::vector<at::Tensor>& weights, int64_t heads, int64_t kv_heads,
-               int64_t head_dim, double eps, double scale, int64_t tile, int64_t cascade_tile)
+               int64_t head_dim, double eps, double scale, int64_t tile, int64_t cascade_tile,
+               int64_t dense_from_rows)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        tile_(tile), cascade_tile_(cascade_tile) {
+        tile_(tile), cascade_tile_(cascade_tile), dense_from_rows_(dense_from_rows) {
     TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
                 "DecoderStack: ", kPerLayer, " tensors per layer");
     dtype_ = weights[0].scalar_type();  // the norm's: a float32 GEMM's weights may be 4/8-bit
@@ -92,7 +101,10 @@ class DecoderStack {
     for (size_t i = 0; i < weights.size(); i += kPerLayer) {
       const at::Tensor* w = weights.data() + i;
       layers_.push_back({w[0], w[1], bias(w[2]), w[3], bias(w[4]), w[5], w[6], bias(w[7]),
-                         w[8], bias(w[9])});
+                         w[8], bias(w[9]), {w[10], w[11], w[12], w[13]}});
+      for (const at::Tensor& d : layers_.back().dense)
+        TORCH_CHECK(dense_from_rows_ <= 0 || (d.dim() == 2 && d.scalar_type() == dtype_),
+                    "DecoderStack: dense weights in the compute dtype for dense_from_rows");
     }
   }
 
@@ -143,6 +155,7 @@ class DecoderStack {
   std::vector<at::Tensor> forward_bf16(at::Tensor h, const Step& a) const {
 #ifdef TOKENMILL_HAS_BF16_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
+    const bool dense = on_dense(n);
     const at::Tensor no_residual = at::empty({0}, h.options());
     const auto out_options = h.options().dtype(a.shared.empty() ? at::kBFloat16 : at::kFloat);
     at::Tensor residual;
@@ -156,18 +169,26 @@ class DecoderStack {
         h = r[0];
         residual = r[1];
       }
-      const at::Tensor qkv = linear_bf16_packed(h, l.qkv, l.qkv_bias);
+      const at::Tensor qkv = dense ? at::linear(h, l.dense[0], l.qkv_bias)
+                                   : linear_bf16_packed(h, l.qkv, l.qkv_bias);
       const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
       rope_(qk_heads, a.cos, a.sin);
       at::Tensor out = at::empty({n, heads_, head_dim_}, out_options);
       attend(i, qk_heads.narrow(1, 0, heads_), qk_heads.narrow(1, heads_, kv_heads_),
              qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}), out, a);
       if (!a.shared.empty()) out = out.to(at::kBFloat16);
-      const at::Tensor o = linear_bf16_packed(out.view({n, heads_ * head_dim_}), l.o, l.o_bias);
+      const at::Tensor attended = out.view({n, heads_ * head_dim_});
+      const at::Tensor o = dense ? at::linear(attended, l.dense[1], l.o_bias)
+                                 : linear_bf16_packed(attended, l.o, l.o_bias);
       std::vector<at::Tensor> r = rms_norm(o, residual, l.post_norm, eps_);
       residual = r[1];
-      h = linear_bf16_packed(linear_bf16_packed_silu(r[0], l.gate_up, l.gate_up_bias), l.down,
-                             l.down_bias);
+      if (dense) {
+        h = at::linear(silu_and_mul(at::linear(r[0], l.dense[2], l.gate_up_bias)), l.dense[3],
+                       l.down_bias);
+      } else {
+        h = linear_bf16_packed(linear_bf16_packed_silu(r[0], l.gate_up, l.gate_up_bias), l.down,
+                               l.down_bias);
+      }
     }
     return {h, residual};
 #else
@@ -180,26 +201,37 @@ class DecoderStack {
 #ifdef TOKENMILL_HAS_F32_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
     auto norm = [&](const at::Tensor& x, const at::Tensor& w) { return rms_norm_f32(x, w, eps_); };
+    const bool dense = on_dense(n);
+    // linear j of layer l (0 qkv, 1 o, 2 gate/up, 3 down): packed, or oneDNN on the dense weight
+    auto linear = [&](const at::Tensor& x, const Layer& l, int j, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias) {
+      return dense ? at::linear(x, l.dense[j], bias) : linear_f32_packed(x, packed, bias);
+    };
+    // the linear, then + residual: the sum rounded, then the add, as the eager ops do
+    auto linear_add = [&](const at::Tensor& x, const Layer& l, int j, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias, const at::Tensor& residual) {
+      return dense ? at::linear(x, l.dense[j], bias) + residual
+                   : linear_f32_packed_add(x, packed, bias, residual);
+    };
     at::Tensor residual = h;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       h = norm(residual, l.in_norm);
-      const at::Tensor qkv = linear_f32_packed(h, l.qkv, l.qkv_bias);
+      const at::Tensor qkv = linear(h, l, 0, l.qkv, l.qkv_bias);
       const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
       rope_(qk_heads, a.cos, a.sin);  // x1 c - x2 s, x2 c + x1 s: the eager ops' roundings
       at::Tensor out = at::empty({n, heads_, head_dim_}, h.options());
       attend(i, qk_heads.narrow(1, 0, heads_), qk_heads.narrow(1, heads_, kv_heads_),
              qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}), out, a);
-      residual = linear_f32_packed_add(out.view({n, heads_ * head_dim_}), l.o, l.o_bias,
-                                       residual);
-      const auto gate_up = linear_f32_packed(norm(residual, l.post_norm), l.gate_up,
-                                             l.gate_up_bias).chunk(2, -1);
+      residual = linear_add(out.view({n, heads_ * head_dim_}), l, 1, l.o, l.o_bias, residual);
+      const auto gate_up = linear(norm(residual, l.post_norm), l, 2, l.gate_up,
+                                  l.gate_up_bias).chunk(2, -1);
       const at::Tensor act = at::silu(gate_up[0]) * gate_up[1];
       if (i + 1 == layers_.size()) {  // the last layer's sum is the final norm's
-        h = linear_f32_packed(act, l.down, l.down_bias);
+        h = linear(act, l, 3, l.down, l.down_bias);
         break;
       }
-      residual = linear_f32_packed_add(act, l.down, l.down_bias, residual);
+      residual = linear_add(act, l, 3, l.down, l.down_bias, residual);
     }
     return {h, residual};
 #else
@@ -216,12 +248,17 @@ class DecoderStack {
     c10::optional<at::Tensor> gate_up_bias;
     at::Tensor down;
     c10::optional<at::Tensor> down_bias;
+    std::array<at::Tensor, 4> dense;  // qkv, o, gate/up, down for oneDNN, or empty
   };
+
+  bool on_dense(int64_t rows) const { return dense_from_rows_ > 0 && rows >= dense_from_rows_; }
+
   std::vector<Layer> layers_;
   at::ScalarType dtype_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   int64_t tile_, cascade_tile_;
+  int64_t dense_from_rows_;
 };
 
 }  // namespace
