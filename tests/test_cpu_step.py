@@ -211,6 +211,26 @@ def test_batches_run_through_onednn_from_the_rows_chosen(model_dirs, monkeypatch
 
 
 @pytest.mark.skipif(not FUSED["float32"], reason="the CPU kernels' float32 GEMM is not built")
+def test_a_linear_without_a_dense_weight_stays_packed_in_a_routed_batch(model_dirs, monkeypatch):
+    """Each linear decides for itself, as on the eager path: one that kept no dense weight (a
+    weight kept in 4 or 8 bits has none) multiplies on its packed weight in a routed batch."""
+    from tokenmill.model import loader
+
+    monkeypatch.setattr(loader, "ONEDNN_TRIAL", "always")
+    monkeypatch.setattr(loader, "dense_rows_from", lambda t: 16)
+    fused, eager = (make_runner(model_dirs["llama"], "float32") for _ in range(2))
+    for runner in (fused, eager):
+        down = runner.model.model.layers[1].mlp.down_proj
+        down.weight, down.dense_from_rows = None, None
+    assert fused.fuse_cpu_step() == "fused; linears through oneDNN from 16 rows"
+    large = [Chunk(ids(30, 3), 0, [3, 4]), Chunk([7], 9, [1])]
+    got = fused.forward(large, all_logits=True)
+    assert torch.equal(got, eager.forward(large, all_logits=True))
+    fused.model.model.layers[1].mlp.down_proj.packed_f32.zero_()  # read: the output changes
+    assert not torch.equal(fused.forward(large, all_logits=True), got)
+
+
+@pytest.mark.skipif(not FUSED["float32"], reason="the CPU kernels' float32 GEMM is not built")
 def test_a_trial_that_keeps_the_packed_gemm_drops_the_dense_weights(model_dirs, monkeypatch):
     from tokenmill.model import loader
 

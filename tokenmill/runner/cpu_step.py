@@ -41,7 +41,8 @@ class CpuStep:
                 weights.append(_NONE if t is None else t.detach())
         # batches of this many rows or more multiply on the dense weights through oneDNN, still
         # in the one call (Linear.dense_from_rows, where it measured faster at load: bf16 with
-        # AMX); route_to_onednn gives every linear the same rows, or none of them
+        # AMX); route_to_onednn gives every linear that kept a dense weight the same rows
+        onednn.discard(None)
         if len(onednn) > 1:
             raise ValueError(f"CpuStep: the linears route different rows to oneDNN: {onednn}")
         self.dense_from_rows: int | None = onednn.pop() if onednn else None

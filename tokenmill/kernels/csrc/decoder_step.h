@@ -72,11 +72,12 @@ class DecoderStack {
   // Per layer, in this order (an empty tensor for a missing bias): input norm weight, packed
   // qkv, qkv bias, packed o, o bias, post-attention norm weight, packed gate/up (bf16: column
   // blocks interleaved, see linear_bf16_packed_silu, and no bias), gate/up bias, packed down,
-  // down bias, then the dense qkv, o, gate/up and down weights for oneDNN (all four, or four
-  // empty tensors). All packed weights bf16 (packed by pack_bf16_weight), or all for the float32
-  // GEMM (pack_f32_weight, or pack_f32_quant_weight for weights kept in 4 or 8 bits); the norm
-  // and dense weights are in the compute dtype. dense_from_rows: batches of this many rows or
-  // more multiply on the dense weights (0: never).
+  // down bias, then the dense qkv, o, gate/up and down weights for oneDNN (empty where a linear
+  // keeps none: a weight kept in 4 or 8 bits). All packed weights bf16 (packed by
+  // pack_bf16_weight), or all for the float32 GEMM (pack_f32_weight, or pack_f32_quant_weight
+  // for weights kept in 4 or 8 bits); the norm and dense weights are in the compute dtype.
+  // dense_from_rows: from this many rows a batch multiplies on each dense weight there is, as
+  // each Linear does on the eager path (0: never).
   static constexpr size_t kPerLayer = 14;
 
   DecoderStack(const std::vector<at::Tensor>& weights, int64_t heads, int64_t kv_heads,
@@ -103,8 +104,8 @@ class DecoderStack {
       layers_.push_back({w[0], w[1], bias(w[2]), w[3], bias(w[4]), w[5], w[6], bias(w[7]),
                          w[8], bias(w[9]), {w[10], w[11], w[12], w[13]}});
       for (const at::Tensor& d : layers_.back().dense)
-        TORCH_CHECK(dense_from_rows_ <= 0 || (d.dim() == 2 && d.scalar_type() == dtype_),
-                    "DecoderStack: dense weights in the compute dtype for dense_from_rows");
+        TORCH_CHECK(d.numel() == 0 || (d.dim() == 2 && d.scalar_type() == dtype_),
+                    "DecoderStack: dense weights (out, in) in the compute dtype, or empty");
     }
   }
 
@@ -155,7 +156,8 @@ class DecoderStack {
   std::vector<at::Tensor> forward_bf16(at::Tensor h, const Step& a) const {
 #ifdef TOKENMILL_HAS_BF16_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
-    const bool dense = on_dense(n);
+    const bool rows_dense = on_dense(n);
+    auto dense = [&](const Layer& l, int j) { return rows_dense && l.dense[j].numel() > 0; };
     const at::Tensor no_residual = at::empty({0}, h.options());
     const auto out_options = h.options().dtype(a.shared.empty() ? at::kBFloat16 : at::kFloat);
     at::Tensor residual;
@@ -169,8 +171,8 @@ class DecoderStack {
         h = r[0];
         residual = r[1];
       }
-      const at::Tensor qkv = dense ? at::linear(h, l.dense[0], l.qkv_bias)
-                                   : linear_bf16_packed(h, l.qkv, l.qkv_bias);
+      const at::Tensor qkv = dense(l, 0) ? at::linear(h, l.dense[0], l.qkv_bias)
+                                         : linear_bf16_packed(h, l.qkv, l.qkv_bias);
       const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
       rope_(qk_heads, a.cos, a.sin);
       at::Tensor out = at::empty({n, heads_, head_dim_}, out_options);
@@ -178,17 +180,15 @@ class DecoderStack {
              qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}), out, a);
       if (!a.shared.empty()) out = out.to(at::kBFloat16);
       const at::Tensor attended = out.view({n, heads_ * head_dim_});
-      const at::Tensor o = dense ? at::linear(attended, l.dense[1], l.o_bias)
-                                 : linear_bf16_packed(attended, l.o, l.o_bias);
+      const at::Tensor o = dense(l, 1) ? at::linear(attended, l.dense[1], l.o_bias)
+                                       : linear_bf16_packed(attended, l.o, l.o_bias);
       std::vector<at::Tensor> r = rms_norm(o, residual, l.post_norm, eps_);
       residual = r[1];
-      if (dense) {
-        h = at::linear(silu_and_mul(at::linear(r[0], l.dense[2], l.gate_up_bias)), l.dense[3],
-                       l.down_bias);
-      } else {
-        h = linear_bf16_packed(linear_bf16_packed_silu(r[0], l.gate_up, l.gate_up_bias), l.down,
-                               l.down_bias);
-      }
+      const at::Tensor act =
+          dense(l, 2) ? silu_and_mul(at::linear(r[0], l.dense[2], l.gate_up_bias))
+                      : linear_bf16_packed_silu(r[0], l.gate_up, l.gate_up_bias);
+      h = dense(l, 3) ? at::linear(act, l.dense[3], l.down_bias)
+                      : linear_bf16_packed(act, l.down, l.down_bias);
     }
     return {h, residual};
 #else
@@ -201,17 +201,18 @@ class DecoderStack {
 #ifdef TOKENMILL_HAS_F32_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
     auto norm = [&](const at::Tensor& x, const at::Tensor& w) { return rms_norm_f32(x, w, eps_); };
-    const bool dense = on_dense(n);
+    const bool rows_dense = on_dense(n);
+    auto dense = [&](const Layer& l, int j) { return rows_dense && l.dense[j].numel() > 0; };
     // linear j of layer l (0 qkv, 1 o, 2 gate/up, 3 down): packed, or oneDNN on the dense weight
     auto linear = [&](const at::Tensor& x, const Layer& l, int j, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias) {
-      return dense ? at::linear(x, l.dense[j], bias) : linear_f32_packed(x, packed, bias);
+      return dense(l, j) ? at::linear(x, l.dense[j], bias) : linear_f32_packed(x, packed, bias);
     };
     // the linear, then + residual: the sum rounded, then the add, as the eager ops do
     auto linear_add = [&](const at::Tensor& x, const Layer& l, int j, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias, const at::Tensor& residual) {
-      return dense ? at::linear(x, l.dense[j], bias) + residual
-                   : linear_f32_packed_add(x, packed, bias, residual);
+      return dense(l, j) ? at::linear(x, l.dense[j], bias) + residual
+                         : linear_f32_packed_add(x, packed, bias, residual);
     };
     at::Tensor residual = h;
     for (size_t i = 0; i < layers_.size(); ++i) {
