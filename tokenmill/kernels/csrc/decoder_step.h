@@ -156,8 +156,6 @@ class DecoderStack {
   std::vector<at::Tensor> forward_bf16(at::Tensor h, const Step& a) const {
 #ifdef TOKENMILL_HAS_BF16_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
-    const bool rows_dense = on_dense(n);
-    auto dense = [&](const Layer& l, int j) { return rows_dense && l.dense[j].numel() > 0; };
     const at::Tensor no_residual = at::empty({0}, h.options());
     const auto out_options = h.options().dtype(a.shared.empty() ? at::kBFloat16 : at::kFloat);
     at::Tensor residual;
@@ -171,8 +169,8 @@ class DecoderStack {
         h = r[0];
         residual = r[1];
       }
-      const at::Tensor qkv = dense(l, 0) ? at::linear(h, l.dense[0], l.qkv_bias)
-                                         : linear_bf16_packed(h, l.qkv, l.qkv_bias);
+      const at::Tensor qkv = dense(l, 0, n) ? at::linear(h, l.dense[0], l.qkv_bias)
+                                            : linear_bf16_packed(h, l.qkv, l.qkv_bias);
       const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
       rope_(qk_heads, a.cos, a.sin);
       at::Tensor out = at::empty({n, heads_, head_dim_}, out_options);
@@ -180,15 +178,15 @@ class DecoderStack {
              qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}), out, a);
       if (!a.shared.empty()) out = out.to(at::kBFloat16);
       const at::Tensor attended = out.view({n, heads_ * head_dim_});
-      const at::Tensor o = dense(l, 1) ? at::linear(attended, l.dense[1], l.o_bias)
-                                       : linear_bf16_packed(attended, l.o, l.o_bias);
+      const at::Tensor o = dense(l, 1, n) ? at::linear(attended, l.dense[1], l.o_bias)
+                                          : linear_bf16_packed(attended, l.o, l.o_bias);
       std::vector<at::Tensor> r = rms_norm(o, residual, l.post_norm, eps_);
       residual = r[1];
       const at::Tensor act =
-          dense(l, 2) ? silu_and_mul(at::linear(r[0], l.dense[2], l.gate_up_bias))
-                      : linear_bf16_packed_silu(r[0], l.gate_up, l.gate_up_bias);
-      h = dense(l, 3) ? at::linear(act, l.dense[3], l.down_bias)
-                      : linear_bf16_packed(act, l.down, l.down_bias);
+          dense(l, 2, n) ? silu_and_mul(at::linear(r[0], l.dense[2], l.gate_up_bias))
+                         : linear_bf16_packed_silu(r[0], l.gate_up, l.gate_up_bias);
+      h = dense(l, 3, n) ? at::linear(act, l.dense[3], l.down_bias)
+                         : linear_bf16_packed(act, l.down, l.down_bias);
     }
     return {h, residual};
 #else
@@ -201,18 +199,16 @@ class DecoderStack {
 #ifdef TOKENMILL_HAS_F32_GEMM
     const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
     auto norm = [&](const at::Tensor& x, const at::Tensor& w) { return rms_norm_f32(x, w, eps_); };
-    const bool rows_dense = on_dense(n);
-    auto dense = [&](const Layer& l, int j) { return rows_dense && l.dense[j].numel() > 0; };
-    // linear j of layer l (0 qkv, 1 o, 2 gate/up, 3 down): packed, or oneDNN on the dense weight
+    // linear j of layer l: packed, or oneDNN on the dense weight
     auto linear = [&](const at::Tensor& x, const Layer& l, int j, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias) {
-      return dense(l, j) ? at::linear(x, l.dense[j], bias) : linear_f32_packed(x, packed, bias);
+      return dense(l, j, n) ? at::linear(x, l.dense[j], bias) : linear_f32_packed(x, packed, bias);
     };
     // the linear, then + residual: the sum rounded, then the add, as the eager ops do
     auto linear_add = [&](const at::Tensor& x, const Layer& l, int j, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias, const at::Tensor& residual) {
-      return dense(l, j) ? at::linear(x, l.dense[j], bias) + residual
-                         : linear_f32_packed_add(x, packed, bias, residual);
+      return dense(l, j, n) ? at::linear(x, l.dense[j], bias) + residual
+                            : linear_f32_packed_add(x, packed, bias, residual);
     };
     at::Tensor residual = h;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -252,7 +248,11 @@ class DecoderStack {
     std::array<at::Tensor, 4> dense;  // qkv, o, gate/up, down for oneDNN, or empty
   };
 
-  bool on_dense(int64_t rows) const { return dense_from_rows_ > 0 && rows >= dense_from_rows_; }
+  // whether linear j of layer l (0 qkv, 1 o, 2 gate/up, 3 down) multiplies a batch of `rows`
+  // rows on its dense weight through oneDNN: from dense_from_rows rows, where it kept one
+  bool dense(const Layer& l, int j, int64_t rows) const {
+    return dense_from_rows_ > 0 && rows >= dense_from_rows_ && l.dense[j].numel() > 0;
+  }
 
   std::vector<Layer> layers_;
   at::ScalarType dtype_;
