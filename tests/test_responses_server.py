@@ -208,12 +208,30 @@ def test_json_schema_text_format(client):
     ({"extra_body": {"max_tokens": 5}}, "max_tokens"),  # Chat Completions fields: not ignored
     ({"extra_body": {"messages": [{"role": "user", "content": "x"}]}}, "messages"),
     ({"extra_body": {"chat_template": "{{ 1 }}"}}, "chat_template"),
+    ({"extra_body": {"enable_response_messages": True}}, "enable_response_messages"),
+    ({"extra_body": {"previous_input_messages": [{"role": "user", "content": "x"}]}},
+     "previous_input_messages"),
 ])
 def test_unsupported_fields_are_refused(client, body, param):
     body = {"input": "Hi", **body}
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, **body)
     assert e.value.param == param, e.value.message
+
+
+def test_a_request_id_names_the_response(client):
+    """vLLM's request_id is the response's id, which previous_response_id then finds; an id a
+    stored response already has is refused rather than overwriting that chain."""
+    first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
+                                     extra_body={"request_id": "resp_mine"})
+    assert first.id == "resp_mine"
+    second = client.responses.create(model=MODEL, input="Again", max_output_tokens=2,
+                                      previous_response_id="resp_mine")
+    assert second.previous_response_id == "resp_mine" and second.id.startswith("resp_")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
+                                extra_body={"request_id": "resp_mine"})
+    assert e.value.param == "request_id"
 
 
 def test_fields_asking_for_nothing_are_accepted(client):
@@ -295,3 +313,7 @@ def test_store_bounds():
     assert list(by_chars._store) == ["b", "c", "d", "e"]
     with pytest.raises(APIError):
         by_chars._previous("f")
+
+    keep(by_chars, "c", "x" * 10)  # a chosen id kept twice: the later chain, counted once
+    assert list(by_chars._store) == ["b", "d", "e", "c"]
+    assert by_chars._chars == sum(size for _, size in by_chars._store.values())

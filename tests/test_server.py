@@ -256,6 +256,28 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "store": True}, 400, "store"),
     ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, 400,
      "continue_final_message"),
+    ("/v1/chat/completions", {"messages": CHAT, "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
+    ("/v1/completions", {"prompt": "x", "logprob_token_ids": [1, 2]}, 400,
+     "logprob_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "stream_interval": 4}, 400,
+     "stream_interval"),
+    ("/v1/chat/completions", {"messages": CHAT, "repetition_detection": {"max_pattern_size": 4}},
+     400, "repetition_detection"),
+    ("/v1/chat/completions", {"messages": CHAT, "include_reasoning": False}, 400,
+     "include_reasoning"),
+    ("/v1/completions", {"prompt": "x", "request_id": 7}, 400, "request_id"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": ""}},
+        *CHAT]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [*CHAT, {"role": "assistant", "audio": {"id": "a"}}]},
+     400, "messages"),
+    ("/tokenize", {"prompt": "x", "tools": []}, 400, "tools"),
+    ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, 400, "add_special_tokens"),
+    ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400,
+     "chat_template_kwargs"),
 ]
 
 
@@ -280,6 +302,120 @@ def test_completed_api_routes(server, client):
                                   temperature=0)
     assert len(r.choices) == 2  # best_of == n asks for nothing more than n
     assert httpx.get(f"{server.url}/health", params={"generate": "true"}).status_code == 200
+
+
+def test_request_ids_chosen_by_the_client(server, client):
+    """As vLLM: the response's id is made from the X-Request-Id header, else the request_id
+    field; requests sharing a chosen id run side by side without clashing in the engine."""
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                          extra_body={"request_id": "job-7"})
+    assert chat.id == "chatcmpl-job-7"
+    r = httpx.post(f"{server.url}/v1/completions", headers={"X-Request-Id": "from-header"},
+                   json={"prompt": PROMPT, "max_tokens": 2, "request_id": "from-body"})
+    assert r.json()["id"] == "cmpl-from-header"
+    chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, stream=True,
+                                       extra_body={"request_id": "s"})
+    assert {c.id for c in chunks} == {"cmpl-s"}
+
+    async def same_id_twice():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused",
+                                      max_retries=0, timeout=120) as aclient:
+            return await asyncio.gather(*(aclient.completions.create(
+                model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=6, temperature=0,
+                extra_body={"request_id": "dup", "ignore_eos": True}) for _ in range(2)))
+
+    first, second = asyncio.run(same_id_twice())
+    assert first.id == second.id == "cmpl-dup"
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert all(c.finish_reason == "length" for c in first.choices + second.choices)
+
+
+def test_tokenize_counts_what_the_chat_endpoint_runs(server, client):
+    """/tokenize renders messages as the chat endpoint does, offered tools included, and
+    return_token_strs gives each token's vocabulary string (vLLM's fields)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+    def tokenize(**body) -> dict:
+        r = httpx.post(f"{server.url}/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    offered = tokenize(messages=CHAT, tools=tools)
+    assert offered["count"] > tokenize(messages=CHAT)["count"]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, max_tokens=1)
+    assert chat.usage.prompt_tokens == offered["count"]
+    words = tokenize(prompt="Hello world", return_token_strs=True)
+    assert len(words["token_strs"]) == words["count"] >= 2
+    assert "".join(words["token_strs"]).replace("\u0120", " ") == "Hello world"
+    assert "token_strs" not in tokenize(prompt="Hello world")
+
+
+def test_history_messages_as_an_openai_client_sends_them_back(server):
+    """A message the openai client dumps back into the history carries refusal, audio and
+    function_call (null) and maybe reasoning: accepted, a refusal read as the message's text,
+    the reasoning handed to the template under vLLM's two names."""
+    from tokenmill.server.protocol import ChatMessage
+    from tokenmill.server.serving import _message_dict
+
+    def count(message: dict) -> int:
+        r = httpx.post(f"{server.url}/tokenize", json={"messages": [*CHAT, message]})
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    plain = {"role": "assistant", "content": "I cannot."}
+    assert count({**plain, "content": None, "refusal": "I cannot.", "audio": None,
+                  "function_call": None, "annotations": []}) == count(plain)
+    assert count({**plain, "reasoning": "Think first."}) == count(plain)  # SmolLM2's ignores it
+    assert _message_dict(ChatMessage(**plain, reasoning_content="Think."), 0) == {
+        **plain, "reasoning": "Think.", "reasoning_content": "Think."}
+
+
+def test_every_vllm_request_field_is_taken_refused_or_harmless():
+    """Each field of vLLM 0.32's chat, completions and responses requests is one tokenmill
+    reads, one it refuses unless the value asks for nothing, or one that asks for nothing here;
+    none is dropped unnoticed."""
+    from tokenmill.server.protocol import (_UNSUPPORTED, IGNORED_VLLM_FIELDS,
+                                           ChatCompletionRequest, CompletionRequest)
+    from tokenmill.server.responses import ResponsesRequest
+
+    shared = {"model", "frequency_penalty", "logit_bias", "n", "presence_penalty", "seed",
+              "stop", "stream", "stream_options", "temperature", "top_p", "user",
+              "use_beam_search", "top_k", "min_p", "repetition_penalty", "watermarking",
+              "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+              "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+              "truncate_prompt_tokens", "truncation_side", "prompt_logprobs",
+              "logprob_token_ids", "allowed_token_ids", "bad_words", "add_special_tokens",
+              "response_format", "structured_outputs", "priority", "request_id", "session_id",
+              "return_tokens_as_token_ids", "return_token_ids", "routed_experts_prompt_start",
+              "return_token_offsets", "mm_payload", "return_mm_kwargs", "cache_salt",
+              "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection",
+              "thinking_token_budget", "stream_interval"}
+    vllm = {
+        ChatCompletionRequest: shared | {
+            "messages", "logprobs", "top_logprobs", "max_tokens", "max_completion_tokens",
+            "tools", "tool_choice", "reasoning_effort", "include_reasoning",
+            "parallel_tool_calls", "echo", "add_generation_prompt", "continue_final_message",
+            "documents", "chat_template", "chat_template_kwargs", "media_io_kwargs",
+            "mm_processor_kwargs", "return_prompt_text"},
+        CompletionRequest: shared | {"prompt", "echo", "logprobs", "max_tokens", "suffix",
+                                     "prompt_embeds"},
+        ResponsesRequest: {
+            "background", "include", "input", "instructions", "max_output_tokens",
+            "max_tool_calls", "metadata", "model", "logit_bias", "parallel_tool_calls",
+            "previous_response_id", "prompt", "reasoning", "include_reasoning", "service_tier",
+            "store", "stream", "temperature", "text", "tool_choice", "tools", "top_logprobs",
+            "top_p", "top_k", "min_p", "truncation", "user", "skip_special_tokens",
+            "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
+            "prompt_cache_key", "watermarking", "request_id", "session_id", "media_io_kwargs",
+            "mm_processor_kwargs", "priority", "mm_payload", "return_mm_kwargs", "cache_salt",
+            "enable_response_messages", "previous_input_messages", "structured_outputs",
+            "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "vllm_xargs",
+            "kv_transfer_params", "ec_transfer_params", "chat_template_kwargs"},
+    }
+    for model, fields in vllm.items():
+        unknown = fields - set(model.model_fields) - set(_UNSUPPORTED) - IGNORED_VLLM_FIELDS
+        assert not unknown, (model.__name__, sorted(unknown))
 
 
 def test_server_keeps_serving_after_bad_input(server, client):

@@ -148,16 +148,7 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        serving.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
-        if req.messages is not None:
-            ids = (await serving.chat_prompt(req.messages, req.add_generation_prompt)).ids
-        else:
-            serving.check_prompt_chars(len(req.prompt), "prompt")
-            ids = await serving.off_loop(serving.tokenizer.encode, req.prompt,
-                                         req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
+        return await serving.tokenize(req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

@@ -271,6 +271,8 @@ class Tokenized(BaseModel):
     tokens: list[int]
     count: int = Field(ge=0)
     max_model_len: int = Field(ge=1)
+    token_strs: list[str | None] | None = Field(
+        None, description="each token's vocabulary string (with return_token_strs)")
 
 
 class Detokenized(BaseModel):

@@ -9,9 +9,11 @@ hold a lone UTF-16 surrogate (valid JSON, but not text) and no number may be inf
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 
 class FieldError(ValueError):
@@ -97,8 +99,31 @@ _UNSUPPORTED: dict[str, tuple] = {
     "mm_processor_kwargs": (None,), "continue_final_message": _OFF, "vllm_xargs": (None,),
     "kv_transfer_params": (None,), "spaces_between_special_tokens": (None, True),
     "logits_processors": (None, []), "add_special_tokens": (None, False),
+    "echo": _OFF, "prompt_embeds": (None,), "watermarking": _OFF, "logprob_token_ids": (None, []),
+    "thinking_token_budget": (None,), "include_reasoning": (None, True),
+    "repetition_detection": (None,), "stream_interval": (None, 1), "media_io_kwargs": (None,),
+    "return_prompt_text": _OFF, "return_token_offsets": _OFF, "ec_transfer_params": (None,),
+    "enable_response_messages": _OFF, "previous_input_messages": (None, []),
 }
-_UNSUPPORTED_COMPLETIONS = {"add_special_tokens"}  # completions implement it (default true)
+# completions implement these (add_special_tokens defaults to true there)
+_UNSUPPORTED_COMPLETIONS = {"add_special_tokens", "echo"}
+# vLLM fields left alone because they ask for nothing here: ``session_id`` (a hint for routing
+# related requests; one engine), ``truncation_side`` (only with truncate_prompt_tokens, refused
+# above), ``mm_payload``, ``return_mm_kwargs`` and ``routed_experts_prompt_start`` (what the render
+# endpoints and mixture-of-experts models return; tokenmill has neither).
+IGNORED_VLLM_FIELDS = frozenset({"session_id", "truncation_side", "mm_payload",
+                                 "return_mm_kwargs", "routed_experts_prompt_start"})
+
+
+def _refuse_unimplemented(data: Any, names: Iterable[str]) -> Any:
+    """``data`` as it is, or FieldError for the first of ``names`` it holds with a value that
+    asks for something (see _UNSUPPORTED)."""
+    if isinstance(data, dict):
+        for name in names:
+            if name in data and data[name] not in _UNSUPPORTED[name]:
+                raise FieldError(name, f"{name}: not supported by tokenmill (got "
+                                 f"{printable(str(data[name])[:100])})")
+    return data
 
 
 class _Request(BaseModel):
@@ -121,12 +146,8 @@ class _SamplingFields(_Request):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, harmless in _UNSUPPORTED.items():
-                if name in data and data[name] not in harmless and name not in cls.implemented:
-                    raise FieldError(name, f"{name}: not supported by tokenmill (got "
-                                     f"{printable(str(data[name])[:100])})")
-        return data
+        return _refuse_unimplemented(data, [name for name in _UNSUPPORTED
+                                            if name not in cls.implemented])
 
     implemented: ClassVar[frozenset[str]] = frozenset()  # _UNSUPPORTED names this one has
 
@@ -151,6 +172,8 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     priority: int = 0
     user: str | None = None
+    # vLLM's: the response's id is made from it (the X-Request-Id header, where sent, wins)
+    request_id: str | None = None
     cache_salt: str | None = None  # prefix-cache namespace (per tenant): no sharing across salts
     # Structured output (``structured/``): OpenAI's field, vLLM's object and its older fields.
     response_format: dict[str, Any] | None = None
@@ -180,6 +203,22 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, in the history
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant's reasoning, in the history: the template sees it under both names, as in
+    # vLLM (Qwen3's reads reasoning_content); a template that does not read it drops it.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None  # an assistant's refusal, in the history: its text, as content
+    # What a history message may carry that no prompt here can hold: refused unless null.
+    audio: Any = None
+    function_call: Any = None
+
+    @field_validator("audio", "function_call")
+    @classmethod
+    def _refuse_unless_null(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported in a message (an assistant's "
+                             f"calls go in tool_calls; only text is read)")
+        return None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -198,11 +237,24 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
+    """``POST /tokenize``: a prompt, or messages rendered as the chat endpoint renders them
+    (tools and template choice included)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        return _refuse_unimplemented(data, ("continue_final_message", "media_io_kwargs",
+                                            "mm_processor_kwargs"))
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # a prompt: default true; messages: not taken
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Request):

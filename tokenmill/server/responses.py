@@ -662,8 +662,8 @@ class OpenAIResponses:
             await s._compile(params)
             # Reasoning items reach no prompt: they are not kept either.
             kept = [i for i in items if not (isinstance(i, dict) and i.get("type") == "reasoning")]
-            pending = _Pending(f"resp_{uuid.uuid4().hex}", s.model_name, req, tools, text_echo,
-                               previous + kept)
+            pending = _Pending(self._new_id(req.request_id), s.model_name, req, tools,
+                               text_echo, previous + kept)
             streams = await s._add_all(pending.rid, [prompt.ids], params, req.priority,
                                        req.cache_salt)
         output = _OutputItems(parser, req.parallel_tool_calls is not False,
@@ -740,6 +740,17 @@ class OpenAIResponses:
         self._store.move_to_end(response_id)
         return kept[0]
 
+    def _new_id(self, given: str | None) -> str:
+        """The response's id: vLLM's ``request_id`` as sent, where it names no stored response
+        (a later ``previous_response_id`` must find one chain), else a fresh one."""
+        if given is None:
+            return f"resp_{uuid.uuid4().hex}"
+        if not given:
+            raise _bad("request_id", "a response's id cannot be empty")
+        if given in self._store:
+            raise _bad("request_id", f"a stored response already has the id {given[:100]!r}")
+        return given
+
     def _keep(self, pending: _Pending, body: dict[str, Any]) -> None:
         if pending.req.store is False or body["status"] == "failed":
             return
@@ -748,6 +759,8 @@ class OpenAIResponses:
         if size > self.store_chars // 4:  # would push out most of the store: not kept
             logger.info("response %s not stored: its chain is %d characters", pending.rid, size)
             return
+        if pending.rid in self._store:  # two requests ran under one chosen id: the later stays
+            self._chars -= self._store.pop(pending.rid)[1]
         self._store[pending.rid] = (items, size)
         self._chars += size
         while len(self._store) > self.store_size or self._chars > self.store_chars:

@@ -27,7 +27,8 @@ from tokenmill.params import SamplingParams
 from tokenmill.request import PromptError, RequestOutput
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatMessage,
-                                       CompletionRequest, _SamplingFields, printable)
+                                       CompletionRequest, TokenizeRequest, _SamplingFields,
+                                       printable)
 from tokenmill.server.template_process import IsolatedRenderer
 from tokenmill.structured.spec import ConstraintError, StructuredOutputs, from_request
 from tokenmill.structured.tool_parsers import ToolCallParser, ToolCallStreamer, get_tool_parser
@@ -105,7 +106,7 @@ class OpenAIServing:
         logprobs = req.logprobs
         params = self._params(req, req.max_tokens, logprobs, prompts, structured=_constraint(req))
         await self._compile(params)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"cmpl-{_given_id(req, raw)}"
         streams = await self._add_all(rid, [p.ids for p in prompts], params, req.priority,
                                       req.cache_salt)
         out = _CompletionFormat(self, rid, req, prompts)
@@ -175,14 +176,7 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None
         await self._check_tool_schemas(tools)
-        kwargs = dict(req.chat_template_kwargs or {})
-        reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_VARIABLES)
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs: {reserved} are set by the request "
-                           f"itself, not by template variables", param="chat_template_kwargs",
-                           code="invalid_value")
-        if req.chat_template is not None:
-            kwargs["chat_template"] = req.chat_template
+        kwargs = _template_kwargs(req.chat_template_kwargs, req.chat_template)
         prompt = await self.chat_prompt(req.messages, req.add_generation_prompt, kwargs,
                                         tools if tool_mode != "none" else None)
         if req.top_logprobs is not None and not req.logprobs:
@@ -194,13 +188,41 @@ class OpenAIServing:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = self._params(req, max_tokens, logprobs, [prompt], param, structured)
         await self._compile(params)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{_given_id(req, raw)}"
         streams = await self._add_all(rid, [prompt.ids], params, req.priority, req.cache_salt)
         out = _ChatFormat(self, rid, req, self.tool_parser if tool_mode != "none" else None)
         if req.stream:
             return _sse(out.chunks(_merge(streams)), streams)
         finals = await _collect(streams, raw)
         return JSONResponse(out.response(finals[0]))
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """``POST /tokenize``: the ids of a prompt, or of messages as the chat endpoint renders
+        them with the same tools and template."""
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            if req.add_special_tokens:
+                raise APIError(400, "add_special_tokens: a chat prompt's special tokens come "
+                               "from its template", param="add_special_tokens",
+                               code="invalid_value")
+            kwargs = _template_kwargs(req.chat_template_kwargs, req.chat_template)
+            ids = (await self.chat_prompt(req.messages, req.add_generation_prompt, kwargs,
+                                          _check_tools(req.tools))).ids
+        else:
+            for name in ("tools", "chat_template", "chat_template_kwargs"):
+                if getattr(req, name) is not None:
+                    raise APIError(400, f"{name}: only with messages", param=name,
+                                   code="invalid_value")
+            self.check_prompt_chars(len(req.prompt), "prompt")
+            ids = await self.off_loop(self.tokenizer.encode, req.prompt,
+                                      req.add_special_tokens is not False)
+        out: dict[str, Any] = {"tokens": ids, "count": len(ids),
+                               "max_model_len": self.max_model_len}
+        if req.return_token_strs:
+            out["token_strs"] = await self.off_loop(self.tokenizer.convert_ids_to_tokens, ids)
+        return out
 
     async def chat_prompt(self, messages: Sequence[ChatMessage],
                           add_generation_prompt: bool = True,
@@ -214,7 +236,8 @@ class OpenAIServing:
         sent by the client is refused unless the operator trusts them, and then renders in a
         separate process under a time and memory bound."""
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
-        self.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+        self.check_prompt_chars(sum(len(m["content"]) + len(m.get("reasoning", ""))
+                                    for m in conversation), "messages")
         kwargs = dict(kwargs or {})
         template = kwargs.get("chat_template")
         renderer = None
@@ -346,10 +369,13 @@ class OpenAIServing:
 
     async def _add_all(self, rid: str, prompts: list[list[int]], params: SamplingParams,
                        priority: int, cache_salt: str | None = None) -> list[RequestStream]:
+        """Queue one engine request per prompt. Their ids extend ``rid`` (the response's id,
+        which a client may choose and repeat) with a part of their own, so they never clash."""
         streams: list[RequestStream] = []
+        own = uuid.uuid4().hex[:12]
         try:
             for i, ids in enumerate(prompts):
-                request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                request_id = f"{rid}-{own}" if len(prompts) == 1 else f"{rid}-{own}-{i}"
                 streams.append(await self.engine.add_request(request_id, ids, params, priority,
                                                              cache_salt))
         except BaseException as e:
@@ -365,6 +391,15 @@ class OpenAIServing:
                 raise APIError(400, str(e), param="prompt", code="invalid_value") from None
             raise
         return streams
+
+
+def _given_id(req: CompletionRequest | ChatCompletionRequest, raw: Request) -> str:
+    """The id a client chose for its request, as vLLM takes it: the X-Request-Id header, then
+    the ``request_id`` field; otherwise a fresh one."""
+    given = raw.headers.get("x-request-id")
+    if given is None:
+        given = req.request_id
+    return uuid.uuid4().hex if given is None else given
 
 
 def _completion_items(prompt: Any) -> list[str | list[int]]:
@@ -406,6 +441,20 @@ def _constraint(req: _SamplingFields) -> StructuredOutputs | None:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
 
+def _template_kwargs(chat_template_kwargs: dict[str, Any] | None,
+                     chat_template: str | None) -> dict[str, Any]:
+    """The variables a request hands its chat template, and the template it names or sends."""
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs: {reserved} are set by the request itself, "
+                       f"not by template variables", param="chat_template_kwargs",
+                       code="invalid_value")
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    return kwargs
+
+
 def _check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if tools is not None:
         try:
@@ -425,7 +474,10 @@ def _message_dict(m: ChatMessage, index: int) -> dict[str, Any]:
                                param="messages", code="invalid_value")
             texts.append(part["text"])
         content = "".join(texts)
-    d: dict[str, Any] = {"role": m.role, "content": content or ""}
+    d: dict[str, Any] = {"role": m.role, "content": content or m.refusal or ""}
+    reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if reasoning is not None:
+        d["reasoning"] = d["reasoning_content"] = reasoning
     if m.name is not None:
         d["name"] = m.name
     if m.tool_calls is not None:
