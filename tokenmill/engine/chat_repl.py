@@ -8,7 +8,9 @@ the session. ``/reset`` starts a new conversation, ``/history`` shows it.
 from __future__ import annotations
 
 import itertools
+import signal
 import sys
+import threading
 from typing import TextIO
 
 from tokenmill.params import SamplingParams
@@ -56,17 +58,24 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": reply})
 
     def _stream_reply(self) -> str:
+        """Stream one reply. Ctrl-C sets a flag that is read between engine steps: raised as
+        KeyboardInterrupt it could land inside a step (leaving the scheduler half-updated) or
+        in a finalizer, where Python drops it and the reply runs on."""
         rid = f"chat-{next(self._ids)}"
         shown = ""
+        interrupted = threading.Event()
+        previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
         try:
             self.engine.add_request(rid, self.llm.chat_prompt_ids(self.messages), self.params)
-            while self.engine.has_unfinished_requests():
+            while self.engine.has_unfinished_requests() and not interrupted.is_set():
                 for out in self.engine.step():
                     text = out.outputs[0].text
                     self._say(text[len(shown):])
                     shown = text
-        except KeyboardInterrupt:
-            self.engine.abort_request(rid)  # a no-op if it was never added or already done
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if interrupted.is_set():
+            self.engine.abort_request(rid)  # a no-op if it is already done
             self._say(" [stopped]")
         self._say("\n")
         return shown
