@@ -414,8 +414,10 @@ def test_every_vllm_request_field_is_taken_refused_or_harmless():
             "kv_transfer_params", "ec_transfer_params", "chat_template_kwargs"},
     }
     for model, fields in vllm.items():
-        unknown = fields - set(model.model_fields) - set(_UNSUPPORTED) - IGNORED_VLLM_FIELDS
+        refused = set(_UNSUPPORTED) - model.implemented  # implemented ones must be fields
+        unknown = fields - set(model.model_fields) - refused - IGNORED_VLLM_FIELDS
         assert not unknown, (model.__name__, sorted(unknown))
+        assert model.implemented <= set(model.model_fields)
 
 
 def test_server_keeps_serving_after_bad_input(server, client):
