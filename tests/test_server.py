@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from functools import partial
 
 import httpx
 import openai
@@ -106,6 +107,29 @@ def test_chat_stream_equals_non_stream(client):
     assert ({**usage.model_dump(), "prompt_tokens_details": None}
             == {**full.usage.model_dump(), "prompt_tokens_details": None})
     assert full.usage.completion_tokens <= 12
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats(client, endpoint):
+    """vLLM's stream_options.continuous_usage_stats: each chunk with tokens carries the usage so
+    far, its completion tokens counting up to the final usage; without include_usage, none."""
+    kw = dict(model=MODEL, max_tokens=6, temperature=0, stream=True,
+              extra_body={"ignore_eos": True})
+    create = (partial(client.completions.create, prompt=PROMPT) if endpoint == "completions"
+              else partial(client.chat.completions.create, messages=CHAT))
+    chunks = list(create(stream_options={"include_usage": True, "continuous_usage_stats": True},
+                         **kw))
+    final = chunks[-1]
+    assert not final.choices and final.usage.completion_tokens == 6
+    counted = [c.usage.completion_tokens for c in chunks[:-1] if c.usage is not None]
+    texts = [c for c in chunks[:-1]
+             if any((ch.text if endpoint == "completions" else ch.delta.content)
+                    for ch in c.choices)]
+    assert len(counted) >= len(texts) >= 1 and counted == sorted(counted)
+    assert counted[0] >= 1 and counted[-1] == 6
+    assert {c.usage.prompt_tokens for c in chunks if c.usage} == {final.usage.prompt_tokens}
+    quiet = list(create(stream_options={"continuous_usage_stats": True}, **kw))
+    assert all(c.usage is None for c in quiet)
 
 
 def test_n_and_seed(client):

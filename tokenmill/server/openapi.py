@@ -78,7 +78,7 @@ class CompletionChunkChoice(BaseModel):
 
 class CompletionChunk(BaseModel):
     """One event of a streamed completion; with include_usage the last has no choices and
-    the usage, the others ``usage: null``."""
+    the usage, the others ``usage: null`` (with continuous_usage_stats: the usage so far)."""
 
     id: str
     object: Literal["text_completion"]

@@ -138,6 +138,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carrying tokens also carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Request):

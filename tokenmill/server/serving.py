@@ -676,18 +676,19 @@ class _CompletionFormat:
         n = self.req.n
         cursors = [_ChoiceCursor() for _ in range(n * len(self.prompts))]
         finals: dict[int, RequestOutput] = {}
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        include_usage, continuous = _usage_in_chunks(self.req)
         async for pi, out in outputs:
             finals[pi] = out
             choices = [d for c in out.outputs if (d := self._choice_delta(
                 pi * n + c.index, pi, c, cursors[pi * n + c.index])) is not None]
             if choices:
-                yield self._chunk(choices, include_usage)
+                yield self._chunk(choices, include_usage, _usage([out]) if continuous else None)
         if include_usage:
             yield {**self._chunk([], False), "usage": _usage(finals.values())}
 
-    def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
-        return _stream_chunk(self, "text_completion", choices, include_usage)
+    def _chunk(self, choices: list[dict], include_usage: bool,
+               usage: dict | None = None) -> dict:
+        return _stream_chunk(self, "text_completion", choices, include_usage, usage)
 
     def response(self, finals: list[RequestOutput]) -> dict:
         n = self.req.n
@@ -700,13 +701,22 @@ class _CompletionFormat:
                 "usage": _usage(finals)}
 
 
+def _usage_in_chunks(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of a streamed request: the second only with the
+    first, as in vLLM."""
+    options = req.stream_options
+    include = bool(options and options.include_usage)
+    return include, include and options.continuous_usage_stats
+
+
 def _stream_chunk(fmt: _CompletionFormat | _ChatFormat, obj: str, choices: list[dict],
-                  include_usage: bool) -> dict:
-    """One SSE chunk; with include_usage every chunk but the last carries ``usage: null``."""
+                  include_usage: bool, usage: dict | None = None) -> dict:
+    """One SSE chunk. With include_usage every chunk but the last carries ``usage``: null, or
+    with continuous_usage_stats the usage so far of the output it carries."""
     chunk = {"id": fmt.rid, "object": obj, "created": fmt.created, "model": fmt.s.model_name,
              "choices": choices}
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage
     return chunk
 
 
@@ -738,7 +748,7 @@ class _ChatFormat:
     async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
         cursors = [_ChoiceCursor() for _ in range(self.req.n)]
         streamers = [self.parser.streamer() if self.parser else None for _ in range(self.req.n)]
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        include_usage, continuous = _usage_in_chunks(self.req)
         final = None
         for i in range(self.req.n):  # the role first, like OpenAI, so clients see headers early
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -748,8 +758,9 @@ class _ChatFormat:
             pending = [self._deltas(c, cursors[c.index], streamers[c.index])
                        for c in out.outputs]
             # A choice may have several deltas (text, then a call): the k-th of each per chunk.
+            usage = _usage([out]) if continuous else None
             for k in range(max(map(len, pending), default=0)):
-                yield self._chunk([d[k] for d in pending if k < len(d)], include_usage)
+                yield self._chunk([d[k] for d in pending if k < len(d)], include_usage, usage)
         if include_usage and final is not None:
             yield {**self._chunk([], False), "usage": _usage([final])}
 
@@ -793,8 +804,9 @@ class _ChatFormat:
                 finish = "tool_calls"
         return message, finish
 
-    def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
-        return _stream_chunk(self, "chat.completion.chunk", choices, include_usage)
+    def _chunk(self, choices: list[dict], include_usage: bool,
+               usage: dict | None = None) -> dict:
+        return _stream_chunk(self, "chat.completion.chunk", choices, include_usage, usage)
 
     def response(self, out: RequestOutput) -> dict:
         choices = []
