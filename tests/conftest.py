@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import fnmatch
+import os
+from pathlib import Path
+
 import pytest
 
 
@@ -38,3 +42,90 @@ def fp32_alone(fp32_llm):
     from tests.test_engine_real import GREEDY, PROMPTS
 
     return [fp32_llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
+
+
+@pytest.fixture(autouse=True)
+def _stable_global_seed(request):
+    """Code that draws from the global generators (Python's, torch's) gets the same numbers in
+    every run of a test, so a failure replays."""
+    import random
+
+    import torch
+
+    from tests.seeding import stable_seed
+
+    seed = stable_seed(request.node.nodeid)
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ----- CI strictness (set by .ci/run; a user's plain `pytest` is unaffected) -------------------
+# TOKENMILL_REQUIRE_KERNELS=1: the run stops at once when the C++ CPU kernels do not load, instead
+#   of skipping their tests and passing on the PyTorch reference paths.
+# TOKENMILL_STRICT_SKIPS=1: the run fails when a test skips that tests/expected_skips.txt does not
+#   list with its reason.
+
+EXPECTED_SKIPS = Path(__file__).parent / "expected_skips.txt"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def pytest_sessionstart(session):
+    if not _flag("TOKENMILL_REQUIRE_KERNELS"):
+        return
+    from tokenmill.kernels import cpu
+
+    if cpu.load() is None:
+        pytest.exit("TOKENMILL_REQUIRE_KERNELS is set and the C++ CPU kernels did not load "
+                    "(the reason is logged above)", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def load_expected_skips(path: Path = EXPECTED_SKIPS) -> list[tuple[str, str]]:
+    """``(node id pattern, reason substring)`` per line ``pattern | reason``; # comments."""
+    rules = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            pattern, _, reason = (part.strip() for part in line.partition("|"))
+            rules.append((pattern, reason))
+    return rules
+
+
+def unexpected_skips(skips: dict[str, str], rules: list[tuple[str, str]]) -> dict[str, str]:
+    """The skips (node id -> reason) no rule allows."""
+    return {node: why for node, why in skips.items()
+            if not any(fnmatch.fnmatchcase(node, pattern) and reason in why
+                       for pattern, reason in rules)}
+
+
+_skipped: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _skipped[report.nodeid] = str(report.longrepr[2]).removeprefix("Skipped: ")
+    elif report.skipped:
+        _skipped[report.nodeid] = str(report.longrepr)
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a whole module skipped (importorskip)
+        _skipped[report.nodeid] = str(report.longrepr[2] if isinstance(report.longrepr, tuple)
+                                      else report.longrepr).removeprefix("Skipped: ")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _flag("TOKENMILL_STRICT_SKIPS") or not _skipped:
+        return
+    unexpected = unexpected_skips(_skipped, load_expected_skips())
+    if not unexpected:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    reporter.write_sep("=", f"{len(unexpected)} unexpected skips (not in "
+                            f"tests/expected_skips.txt)", red=True)
+    for node, why in sorted(unexpected.items()):
+        reporter.write_line(f"{node}: {why}")
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

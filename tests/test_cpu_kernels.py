@@ -3,6 +3,9 @@ and float16, where they are used), and the kernels' build and fallback."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -138,6 +141,26 @@ def test_build_is_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     assert not cpu_kernels.is_built()
+
+
+def test_each_environment_keeps_its_own_build():
+    """torch rebuilds a folder whose recorded build differs from the loading environment (its
+    torch and Python header paths, its compiler), so each of those is in the folder's name: a
+    second virtual environment on the machine gets a folder of its own instead of rebuilding
+    (and locking) the first one's."""
+    import sysconfig
+
+    inputs = cpu_kernels.build_inputs()
+    key = cpu_kernels.build_key(inputs)
+    assert cpu_kernels.build_key(list(inputs)) == key  # stable
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    assert torch_dir in inputs and sysconfig.get_paths()["include"] in inputs
+    for i in range(len(inputs)):  # any one input changed: another folder
+        changed = [*inputs[:i], inputs[i] + "/other", *inputs[i + 1:]]
+        assert cpu_kernels.build_key(changed) != key
+    # the folder this environment loads records this environment's torch
+    ninja = (cpu_kernels.build_dir() / "build.ninja").read_text()
+    assert os.path.join(torch_dir, "include") in ninja
 
 
 def test_without_kernels_the_reference_backend_is_chosen(monkeypatch):

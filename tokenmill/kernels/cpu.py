@@ -1,9 +1,9 @@
 """tokenmill's C++ CPU kernels (``csrc/cpu_ops.cpp``), compiled for the machine they run on.
 
 They are built with ``torch.utils.cpp_extension`` and ``-march=native`` into a cache folder whose
-name holds the torch version, the CPU's instruction sets and a hash of the source, so a build
-never runs on a CPU it was not made for (development machines change from day to day) and a
-restart loads it in a fraction of a second. ``scripts/setup.sh`` builds them
+name hashes the source, the torch installation, the compiler and the CPU's instruction sets, so a
+build never runs on a CPU it was not made for (development machines change from day to day),
+each environment on a machine keeps its own, and a restart loads it in a fraction of a second. ``scripts/setup.sh`` builds them
 (``python3 -m tokenmill.kernels.cpu``); a server that finds no build compiles once at start-up,
 and without a compiler every caller falls back to the PyTorch reference path.
 
@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+import sysconfig
 import time
 from functools import cache
 from pathlib import Path
@@ -38,10 +39,24 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 def build_dir() -> Path:
     root = Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill"))
+    return root / "kernels" / f"cpu-{build_key(build_inputs())}"
+
+
+def build_inputs() -> list[str]:
+    """Everything a build depends on besides the sources: the build records the paths of the
+    torch installation, Python's headers and the compiler it used, and torch rebuilds when any
+    of them differs from the loading environment's. So two environments on one machine (two
+    virtual environments, CI beside a development install) each get a folder of their own
+    instead of rebuilding each other's, and wait on each other's compile lock for minutes."""
+    compiler = os.environ.get("CXX", "c++")
+    return [torch.__version__, str(Path(torch.__file__).resolve().parent), sys.version,
+            sysconfig.get_paths()["include"], os.path.realpath(shutil.which(compiler) or compiler),
+            *_FLAGS, *sorted(cpu_flags())]
+
+
+def build_key(inputs: list[str]) -> str:
     sources = [p.read_text() for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h")]
-    key = hashlib.sha256("\n".join([*sources, torch.__version__, sys.version,
-                                    *_FLAGS, *sorted(cpu_flags())]).encode()).hexdigest()[:16]
-    return root / "kernels" / f"cpu-{key}"
+    return hashlib.sha256("\n".join([*sources, *inputs]).encode()).hexdigest()[:16]
 
 
 def is_built() -> bool:
