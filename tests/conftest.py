@@ -44,6 +44,17 @@ def fp32_alone(fp32_llm):
     return [fp32_llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
 
 
+# Fixtures that load the real default model: a test using one is `slow` without saying so (tests
+# that load it in fixtures of their own, or start a server, carry the mark themselves).
+REAL_MODEL_FIXTURES = frozenset({"default_gguf_path", "fp32_llm", "fp32_alone"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _stable_global_seed(request):
     """Code that draws from the global generators (Python's, torch's) gets the same numbers in

@@ -106,3 +106,42 @@ def test_interactive_chat_ctrl_c_stops_the_reply_not_the_session():
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--num-speculative-tokens", "3"], "num_speculative_tokens applies only with "
+                                        "speculative_method ngram, draft or layerskip"),
+    (["--no-speculative-adaptive"], "speculative_adaptive applies only with"),
+    (["--speculative-method", "ngram", "--speculative-model", "m.gguf"],
+     "speculative_model applies only with speculative_method draft (--speculative-method); "
+     "got ngram"),
+    (["--speculative-method", "draft", "--speculative-model", "m.gguf",
+      "--prompt-lookup-max", "3"], "prompt_lookup_max applies only with speculative_method ngram"),
+    (["--speculative-method", "ngram", "--speculative-draft-layers", "2"],
+     "speculative_draft_layers applies only with speculative_method layerskip"),
+    (["--device", "cuda", "--quantization", "int8"], "quantization 'int8' (--quantization) "
+                                                     "runs on CPUs only for now; on cuda use"),
+    (["--device", "cuda:1", "--quantization", "auto"], "quantization 'auto'"),
+])
+def test_flags_that_would_be_ignored_stop_the_start(flags, says):
+    """A speculative flag without the method it belongs to, or a CPU-only quantization on a GPU,
+    would be dropped quietly: refused with one line before anything is imported or loaded."""
+    out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("tokenmill: error: ") and says in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "loaded" not in out.stderr
+
+
+def test_speculative_flags_with_their_method_are_taken():
+    from tokenmill.config import EngineConfig
+
+    spec = EngineConfig.from_options(speculative_method="ngram", prompt_lookup_min=1,
+                                     prompt_lookup_max=3, num_speculative_tokens=2,
+                                     speculative_adaptive=False).speculative
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
+            spec.speculative_adaptive) == (1, 3, 2, False)
+    assert EngineConfig.from_options(speculative_method="layerskip",
+                                     speculative_draft_layers=2).speculative \
+        .speculative_draft_layers == 2
+    assert EngineConfig.from_options(device="cuda", quantization="fp8").quantization == "fp8"

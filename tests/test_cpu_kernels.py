@@ -144,10 +144,10 @@ def test_build_is_cached_per_machine(tmp_path, monkeypatch):
 
 
 def test_each_environment_keeps_its_own_build():
-    """torch rebuilds a folder whose recorded build differs from the loading environment (its
-    torch and Python header paths, its compiler), so each of those is in the folder's name: a
-    second virtual environment on the machine gets a folder of its own instead of rebuilding
-    (and locking) the first one's."""
+    """torch rebuilds a folder whose recorded build differs from the loading environment (the
+    source's path, its torch and Python header paths, its compiler), so each of those is in the
+    folder's name: a second virtual environment or checkout on the machine gets a folder of its
+    own instead of rebuilding (and locking) the first one's."""
     import sysconfig
 
     inputs = cpu_kernels.build_inputs()
@@ -155,6 +155,7 @@ def test_each_environment_keeps_its_own_build():
     assert cpu_kernels.build_key(list(inputs)) == key  # stable
     torch_dir = str(Path(torch.__file__).resolve().parent)
     assert torch_dir in inputs and sysconfig.get_paths()["include"] in inputs
+    assert str(cpu_kernels.SOURCE.resolve()) in inputs  # another checkout: another build
     for i in range(len(inputs)):  # any one input changed: another folder
         changed = [*inputs[:i], inputs[i] + "/other", *inputs[i + 1:]]
         assert cpu_kernels.build_key(changed) != key

@@ -44,7 +44,8 @@ class ListProposer:
         self.calls = 0
         self.forgotten: list[str] = []
 
-    def propose(self, requests: Sequence[Request]) -> Mapping[str, list[int]]:
+    def propose(self, requests: Sequence[Request],
+                waiting_tokens: int = 0) -> Mapping[str, list[int]]:
         self.calls += 1
         return {r.request_id: self.drafts(r) for r in requests}
 
@@ -271,8 +272,6 @@ def test_a_request_whose_output_processing_fails_fails_alone(monkeypatch) -> Non
 
 
 def test_a_failing_model_step_fails_its_requests_and_the_engine_goes_on() -> None:
-    from tokenmill.engine.llm_engine import MAX_FAILED_STEPS
-
     engine = make_engine()
     engine.add_request("a", prompt(0), SamplingParams(max_tokens=5))
     engine.step()
@@ -282,19 +281,24 @@ def test_a_failing_model_step_fails_its_requests_and_the_engine_goes_on() -> Non
 
     engine.runner.before_execute = boom
     assert engine.step() == []
-    assert engine.take_failures() == {"a": "the model step failed: RuntimeError: kernel fault"}
+    assert engine.take_failures() == {"a": "the engine step failed: RuntimeError: kernel fault"}
     engine.runner.before_execute = None
     engine.add_request("b", prompt(1), SamplingParams(max_tokens=3))
     finished, failures = run_collecting_failures(engine)
     assert not failures and len(finished["b"].outputs[0].token_ids) == 3
-    engine.runner.before_execute = boom  # failing again and again: the engine is broken
-    for i in range(MAX_FAILED_STEPS):
+    b_tokens = finished["b"].outputs[0].token_ids
+    # Failing again and again, each time with requests to blame: each fails its own, and the
+    # engine never gives up on the ones after (three bad requests must not stop the server).
+    engine.runner.before_execute = boom
+    for i in range(5):
         engine.add_request(f"c{i}", prompt(2), SamplingParams(max_tokens=3))
-        if i < MAX_FAILED_STEPS - 1:
-            engine.step()
-        else:
-            with pytest.raises(RuntimeError, match="kernel fault"):
-                engine.step()
+        assert engine.step() == [] and list(engine.take_failures()) == [f"c{i}"]
+        engine.scheduler.check_integrity()
+    engine.runner.before_execute = None
+    engine.add_request("d", prompt(1), SamplingParams(max_tokens=3))
+    finished, failures = run_collecting_failures(engine)
+    assert not failures and finished["d"].outputs[0].token_ids == b_tokens  # same prompt
+    assert engine.stats().num_failed_steps == 6
     check_clean(engine)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import uuid
 
 import httpx
 import jsonschema
@@ -234,6 +236,49 @@ def test_a_request_id_names_the_response(client):
     assert e.value.param == "request_id"
 
 
+def test_stored_responses_belong_to_the_key_and_salt_that_made_them(server):
+    """A stored response is continued only with the API key (bearer token) and cache_salt it
+    was made with; to anyone else it does not exist: the same 404 as an id never stored, and
+    a request id chosen by one tenant is free to another."""
+    run = uuid.uuid4().hex[:8]
+
+    def create(key: str, salt: str | None = None, **body) -> httpx.Response:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        return httpx.post(f"{server.url}/v1/responses", timeout=120,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"model": MODEL, "input": "My name is Ada.",
+                                "max_output_tokens": 2, **extra, **body})
+
+    def not_found(r: httpx.Response, rid: str) -> bool:
+        error = r.json()["error"]
+        return r.status_code == 404 and error == {**never["error"], "message": never[
+            "error"]["message"].replace(never_id, rid)}
+
+    never_id = f"resp_{run}"
+    never = create("key-a", previous_response_id=never_id).json()
+    first, salted = create("key-a").json(), create("key-a", "salt-1").json()
+    assert first["id"] != salted["id"]
+    assert all(re.fullmatch(r"resp_[0-9a-f]{32}", r["id"]) for r in (first, salted))
+    assert create("key-a", previous_response_id=first["id"]).status_code == 200
+    assert create("key-a", "salt-1", previous_response_id=salted["id"]).status_code == 200
+    for key, salt, rid in (("key-b", None, first["id"]), ("key-a", "salt-1", first["id"]),
+                           ("key-a", None, salted["id"]), ("key-a", "salt-2", salted["id"]),
+                           ("key-b", "salt-1", salted["id"])):
+        assert not_found(create(key, salt, previous_response_id=rid), rid), (key, salt)
+
+    # The same chosen id in two namespaces: two responses, each continuing its own chain.
+    chosen = f"chosen-{run}"
+    a = create("key-a", request_id=chosen)
+    b = create("key-b", request_id=chosen, input="I live in a big old house by the sea.")
+    assert a.json()["id"] == b.json()["id"] == chosen
+    assert create("key-a", request_id=chosen).json()["error"]["param"] == "request_id"
+    grown = [create(key, previous_response_id=chosen).json()["usage"]["input_tokens"]
+             for key in ("key-a", "key-b")]
+    assert grown[0] < grown[1]  # key-b's chain holds the longer first input
+    unkept = create("key-a", store=False).json()
+    assert not_found(create("key-a", previous_response_id=unkept["id"]), unkept["id"])
+
+
 def test_fields_asking_for_nothing_are_accepted(client):
     r = client.responses.create(
         model=MODEL, input="Hi", max_output_tokens=2, background=False, store=True,
@@ -283,37 +328,47 @@ def test_openai_agents_runner(server):
 def test_store_bounds():
     """The store keeps at most store_size responses and store_chars characters (each
     counted with its chain), dropping the least recently used; one whose chain alone is over
-    a quarter of the characters is not kept."""
+    a quarter of the characters is not kept. A response is found in its namespace only."""
     from types import SimpleNamespace
 
     from tokenmill.server.protocol import APIError
     from tokenmill.server.responses import OpenAIResponses
 
-    def keep(store, rid: str, text: str, previous: str | None = None) -> None:
-        history = store._previous(previous) + [{"type": "message", "content": text}]
-        store._keep(SimpleNamespace(req=SimpleNamespace(store=None), rid=rid, history=history),
+    def keep(store, rid: str, text: str, previous: str | None = None, ns: str = "t") -> None:
+        history = store._previous(ns, previous) + [{"type": "message", "content": text}]
+        store._keep(SimpleNamespace(req=SimpleNamespace(store=None), rid=rid, history=history,
+                                    namespace=ns),
                     {"status": "completed", "output": [{"type": "message", "content": "ok"}]})
+
+    def ids(store) -> list[str]:
+        return [rid for _, rid in store._store]
 
     by_count = OpenAIResponses(serving=None, store_size=3)
     for rid in "abcd":
         keep(by_count, rid, "x")
-    assert list(by_count._store) == ["b", "c", "d"]
-    by_count._previous("b")  # used: now the most recent
+    assert ids(by_count) == ["b", "c", "d"]
+    by_count._previous("t", "b")  # used: now the most recent
     keep(by_count, "e", "y", "b")
-    assert list(by_count._store) == ["d", "b", "e"]
-    assert [i["content"] for i in by_count._previous("e")] == ["x", "ok", "y", "ok"]
+    assert ids(by_count) == ["d", "b", "e"]
+    assert [i["content"] for i in by_count._previous("t", "e")] == ["x", "ok", "y", "ok"]
+    with pytest.raises(APIError) as e:  # another tenant's: as if it never existed
+        by_count._previous("u", "e")
+    assert e.value.status == 404
+    keep(by_count, "e", "z", ns="u")  # the same id in another namespace: both kept
+    assert [i["content"] for i in by_count._previous("u", "e")] == ["z", "ok"]
+    assert [i["content"] for i in by_count._previous("t", "e")] == ["x", "ok", "y", "ok"]
 
     by_chars = OpenAIResponses(serving=None, store_chars=1000)
     for rid in "abcd":  # about 225 characters each
         keep(by_chars, rid, "x" * 150)
-    assert list(by_chars._store) == ["a", "b", "c", "d"]
+    assert ids(by_chars) == ["a", "b", "c", "d"]
     keep(by_chars, "e", "x" * 150)
-    assert list(by_chars._store) == ["b", "c", "d", "e"] and by_chars._chars <= 1000
+    assert ids(by_chars) == ["b", "c", "d", "e"] and by_chars._chars <= 1000
     keep(by_chars, "f", "x" * 300)  # over a quarter alone: not kept, nothing dropped
-    assert list(by_chars._store) == ["b", "c", "d", "e"]
+    assert ids(by_chars) == ["b", "c", "d", "e"]
     with pytest.raises(APIError):
-        by_chars._previous("f")
+        by_chars._previous("t", "f")
 
     keep(by_chars, "c", "x" * 10)  # a chosen id kept twice: the later chain, counted once
-    assert list(by_chars._store) == ["b", "d", "e", "c"]
+    assert ids(by_chars) == ["b", "d", "e", "c"]
     assert by_chars._chars == sum(size for _, size in by_chars._store.values())

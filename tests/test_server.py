@@ -159,21 +159,26 @@ def test_stop_string(client):
     assert text == r.choices[0].text and finishes == ["stop"]
 
 
-def test_completion_logprobs_echo(server, client):
+def test_completion_logprobs_and_echo(server, client):
+    """Logprobs of the generated tokens; echo puts the prompt before them. Both at once are
+    refused until the prompt's own logprobs are computed (never nulls in their place)."""
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
-                                  logprobs=2, echo=True, extra_body={"ignore_eos": True})
+                                  logprobs=2, extra_body={"ignore_eos": True})
     c = r.choices[0]
-    assert c.text.startswith(PROMPT)
     lp = c.logprobs
-    n_prompt = num_tokens(server, PROMPT)
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n_prompt + 4
-    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 4
     assert "".join(lp.tokens) == c.text
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
-    for token, value, top in zip(lp.tokens[n_prompt:], lp.token_logprobs[n_prompt:],
-                                 lp.top_logprobs[n_prompt:]):
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and top[token] == value and 2 <= len(top) <= 3
         assert max(top.values()) == value  # greedy picks the most likely token
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       echo=True, extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == PROMPT + c.text and echoed.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=0,
+                                  echo=True)
+    assert e.value.param == "echo" and "logprobs" in e.value.message
 
 
 def test_chat_logprobs(client):
@@ -291,6 +296,14 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "include_reasoning": False}, 400,
      "include_reasoning"),
     ("/v1/completions", {"prompt": "x", "request_id": 7}, 400, "request_id"),
+    ("/v1/completions", {"prompt": "x", "request_id": "x" * 129}, 400, "request_id"),
+    ("/v1/chat/completions", {"messages": CHAT, "request_id": "a\nforged log line"}, 400,
+     "request_id"),
+    ("/v1/responses", {"input": "x", "request_id": ""}, 400, "request_id"),
+    ("/v1/completions", {"prompt": "x", "priority": -5}, 400, "priority"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/chat/completions", {"messages": [
         {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": ""}},
         *CHAT]}, 400, "messages"),
@@ -354,6 +367,27 @@ def test_request_ids_chosen_by_the_client(server, client):
     assert all(c.finish_reason == "length" for c in first.choices + second.choices)
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+    ("/v1/responses", {"input": PROMPT, "max_output_tokens": 1})])
+def test_request_ids_are_short_and_plain(server, path, body):
+    """A chosen request id becomes part of ids and log lines: 1 to 128 characters of
+    [A-Za-z0-9._:-], in the X-Request-Id header as in the request_id field; else a 400."""
+    url = f"{server.url}{path}"
+    header_values = ["x" * 129, "two words", "a/b?c", ""]
+    for given in [*header_values, "line\nbreak", "caf\u00e9"]:
+        r = httpx.post(url, json={**body, "request_id": given})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+        if given in header_values:
+            r = httpx.post(url, json=body, headers={"X-Request-Id": given})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "X-Request-Id"
+    ok = "a" * 120 + "._:-AZ09"
+    r = httpx.post(url, json=body, headers={"X-Request-Id": ok})
+    assert r.status_code == 200 and r.json()["id"].endswith(ok), r.text
+
+
 def test_tokenize_counts_what_the_chat_endpoint_runs(server, client):
     """/tokenize renders messages as the chat endpoint does, offered tools included, and
     return_token_strs gives each token's vocabulary string (vLLM's fields)."""
@@ -393,55 +427,6 @@ def test_history_messages_as_an_openai_client_sends_them_back(server):
     assert count({**plain, "reasoning": "Think first."}) == count(plain)  # SmolLM2's ignores it
     assert _message_dict(ChatMessage(**plain, reasoning_content="Think."), 0) == {
         **plain, "reasoning": "Think.", "reasoning_content": "Think."}
-
-
-def test_every_vllm_request_field_is_taken_refused_or_harmless():
-    """Each field of vLLM 0.32's chat, completions and responses requests is one tokenmill
-    reads, one it refuses unless the value asks for nothing, or one that asks for nothing here;
-    none is dropped unnoticed."""
-    from tokenmill.server.protocol import (_UNSUPPORTED, IGNORED_VLLM_FIELDS,
-                                           ChatCompletionRequest, CompletionRequest)
-    from tokenmill.server.responses import ResponsesRequest
-
-    shared = {"model", "frequency_penalty", "logit_bias", "n", "presence_penalty", "seed",
-              "stop", "stream", "stream_options", "temperature", "top_p", "user",
-              "use_beam_search", "top_k", "min_p", "repetition_penalty", "watermarking",
-              "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-              "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
-              "truncate_prompt_tokens", "truncation_side", "prompt_logprobs",
-              "logprob_token_ids", "allowed_token_ids", "bad_words", "add_special_tokens",
-              "response_format", "structured_outputs", "priority", "request_id", "session_id",
-              "return_tokens_as_token_ids", "return_token_ids", "routed_experts_prompt_start",
-              "return_token_offsets", "mm_payload", "return_mm_kwargs", "cache_salt",
-              "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection",
-              "thinking_token_budget", "stream_interval"}
-    vllm = {
-        ChatCompletionRequest: shared | {
-            "messages", "logprobs", "top_logprobs", "max_tokens", "max_completion_tokens",
-            "tools", "tool_choice", "reasoning_effort", "include_reasoning",
-            "parallel_tool_calls", "echo", "add_generation_prompt", "continue_final_message",
-            "documents", "chat_template", "chat_template_kwargs", "media_io_kwargs",
-            "mm_processor_kwargs", "return_prompt_text"},
-        CompletionRequest: shared | {"prompt", "echo", "logprobs", "max_tokens", "suffix",
-                                     "prompt_embeds"},
-        ResponsesRequest: {
-            "background", "include", "input", "instructions", "max_output_tokens",
-            "max_tool_calls", "metadata", "model", "logit_bias", "parallel_tool_calls",
-            "previous_response_id", "prompt", "reasoning", "include_reasoning", "service_tier",
-            "store", "stream", "temperature", "text", "tool_choice", "tools", "top_logprobs",
-            "top_p", "top_k", "min_p", "truncation", "user", "skip_special_tokens",
-            "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
-            "prompt_cache_key", "watermarking", "request_id", "session_id", "media_io_kwargs",
-            "mm_processor_kwargs", "priority", "mm_payload", "return_mm_kwargs", "cache_salt",
-            "enable_response_messages", "previous_input_messages", "structured_outputs",
-            "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "vllm_xargs",
-            "kv_transfer_params", "ec_transfer_params", "chat_template_kwargs"},
-    }
-    for model, fields in vllm.items():
-        refused = set(_UNSUPPORTED) - model.implemented  # implemented ones must be fields
-        unknown = fields - set(model.model_fields) - refused - IGNORED_VLLM_FIELDS
-        assert not unknown, (model.__name__, sorted(unknown))
-        assert model.implemented <= set(model.model_fields)
 
 
 def test_server_keeps_serving_after_bad_input(server, client):

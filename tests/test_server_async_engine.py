@@ -12,7 +12,8 @@ import pytest
 from tests.test_engine_unit import make_engine
 from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
                                            EngineUnavailableError, RequestFailedError)
-from tokenmill.engine.llm_engine import MAX_FAILED_STEPS
+from tokenmill.engine.faults import FaultRule
+from tokenmill.engine.llm_engine import MAX_BLAMELESS_FAILURES
 from tokenmill.params import SamplingParams
 
 
@@ -122,7 +123,7 @@ def test_bad_prompt_and_admission_control():
     assert all(r[-1].finished for r in ok)
 
 
-def test_failing_step_fails_its_requests_alone_until_it_keeps_failing():
+def test_failing_steps_fail_their_requests_and_the_loop_goes_on():
     fake = FakeEngine()
 
     async def main():
@@ -134,24 +135,82 @@ def test_failing_step_fails_its_requests_alone_until_it_keeps_failing():
         with pytest.raises(RequestFailedError, match="boom"):
             async for _ in gen:
                 pass
-        assert engine.is_alive  # one failing step fails its requests, not the engine
+        for i in range(MAX_BLAMELESS_FAILURES + 2):  # step after step: each fails its own
+            with pytest.raises(RequestFailedError, match="boom"):
+                await _consume(engine, f"c{i}", 3)
+        assert engine.is_alive and engine.error is None
         fake.fail = False
         outs = await _consume(engine, "b", 3)
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
-        fake.fail = True  # failing step after step: the engine is broken, the loop stops
-        errors = []
-        for i in range(MAX_FAILED_STEPS):
-            try:
-                await _consume(engine, f"c{i}", 3)
-            except (RequestFailedError, EngineUnavailableError) as e:
-                errors.append(type(e))
-        assert errors == [RequestFailedError] * (MAX_FAILED_STEPS - 1) + [EngineUnavailableError]
-        assert not engine.is_alive
-        with pytest.raises(EngineUnavailableError):
-            await engine.add_request("d", [1], SamplingParams())
+        await engine.shutdown(1)
         assert not fake.engine.has_unfinished_requests()
 
     run(main())
+
+
+def test_failures_with_no_request_to_blame_stop_the_loop_and_say_why():
+    fake = FakeEngine()
+    fake.engine.fault_hook = FaultRule("step", "doomed", None)  # before any request is touched
+
+    async def main():
+        engine = AsyncEngine(fake.engine)
+        engine.start()
+        assert (await _consume(engine, "fine", 2))[-1].finished
+        with pytest.raises(EngineUnavailableError, match="no request to blame"):
+            await _consume(engine, "doomed", 3)
+        assert not engine.is_alive and "EngineDeadError" in engine.error
+        with pytest.raises(EngineUnavailableError):
+            await engine.add_request("d", [1], SamplingParams())
+        assert not fake.engine.has_unfinished_requests()
+        fake.engine.scheduler.check_integrity()
+        assert fake.engine.stats().num_failed_steps == MAX_BLAMELESS_FAILURES
+
+    run(main())
+
+
+class FlakyListener:
+    """A metrics listener that raises while ``broken`` names the call to break."""
+
+    def __init__(self) -> None:
+        self.broken: str | None = None
+        self.finished: list[str] = []
+
+    def on_step(self, *args) -> None:
+        if self.broken == "on_step":
+            raise RuntimeError("metrics broke")
+
+    def on_request_finished(self, output, timings) -> None:
+        if self.broken == "on_request_finished":
+            raise RuntimeError("metrics broke")
+        self.finished.append(output.request_id)
+
+
+@pytest.mark.parametrize("broken", ["on_step", "on_request_finished"])
+def test_a_failing_metrics_listener_fails_the_steps_requests_not_the_loop(broken):
+    fake = FakeEngine()
+    listener = FlakyListener()
+
+    async def main():
+        engine = AsyncEngine(fake.engine, listener=listener)
+        engine.start()
+        expected = (await _consume(engine, "ref", 4))[-1].outputs[0].token_ids
+        listener.broken = broken
+        # on_request_finished breaks when the request ends, on_step at its first step: either
+        # way the request's caller is told, not left waiting.
+        with pytest.raises(RequestFailedError, match="metrics broke"):
+            await _consume(engine, "hit", 4)
+        stream = await engine.add_request("gone", [1], SamplingParams(max_tokens=10_000))
+        stream.abort()  # the listener hears of the abort; its failure is only logged
+        listener.broken = None
+        outs = await _consume(engine, "next", 4)
+        assert engine.is_alive and outs[-1].outputs[0].token_ids == expected
+        await engine.shutdown(1)
+        fake.engine.scheduler.check_integrity()
+        manager = fake.engine.scheduler.block_manager
+        assert manager.num_free_blocks == manager.pool.num_usable_blocks
+
+    run(main())
+    assert "hit" not in listener.finished and "next" in listener.finished
 
 
 def test_drain_ends_what_is_left_with_an_error():

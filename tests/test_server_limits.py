@@ -20,8 +20,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # the priority policy orders requests without a priority as first come, first served
     s = start_server(tmp_path_factory, "--api-key", KEY, "--max-queued-requests", "2",
-                     "--max-num-seqs", "2", "--shutdown-timeout", "20")
+                     "--max-num-seqs", "2", "--shutdown-timeout", "20",
+                     "--scheduling-policy", "priority")
     yield s
     stop_server(s)
 
@@ -80,6 +82,26 @@ def test_right_key_works(server):
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_priority_is_taken_under_the_priority_policy(server):
+    """(Without it a priority is refused: tests/test_server_fields.py.)"""
+    r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "priority": -3})
+    assert r.status_code == 200, r.text
+
+
+def test_one_key_many_salts(server):
+    """Holders of one API key who send their own cache_salt continue only their own stored
+    responses."""
+    def create(salt: str, **body) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/responses", headers=AUTH, timeout=60,
+                          json={"model": MODEL, "input": "Hi", "max_output_tokens": 2,
+                                "cache_salt": salt, **body})
+
+    first = create("tenant-1").json()["id"]
+    assert create("tenant-1", previous_response_id=first).status_code == 200
+    assert create("tenant-2", previous_response_id=first).status_code == 404
 
 
 def test_overload_gets_503_while_accepted_requests_complete(server):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -106,6 +108,35 @@ def test_compiled_once_per_key(backend):
     first = b.compile(StructuredOutputs(regex="[0-9]{3}"))
     assert b.compile(StructuredOutputs(regex="[0-9]{3}")) is first
     assert b.stats.num_compiled == before + 1
+
+
+def slow_schema(num_properties: int, tag: str) -> dict:
+    """An object of integer properties: llguidance compiles ~3,000 a second (4,000: 2.5 s on
+    a 2-core Xeon), where a small constraint takes milliseconds."""
+    return {"type": "object",
+            "properties": {f"{tag}_{i}": {"type": "integer"} for i in range(num_properties)}}
+
+
+def test_a_slow_compile_holds_up_neither_hits_nor_other_constraints(backend):
+    """While a large schema compiles (in two threads: it compiles once), a cached constraint
+    is returned and a new small one compiles: nothing waits behind the slow one."""
+    _, b = backend
+    cached = b.compile(StructuredOutputs(regex="[a-f]{4}"))
+    slow = StructuredOutputs(json=slow_schema(4000, "backend"))
+    before = b.stats.num_compiled
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.update({i: b.compile(slow)}))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)  # the slow compile is under way (it takes seconds)
+    assert b.compile(StructuredOutputs(regex="[a-f]{4}")) is cached
+    b.compile(StructuredOutputs(regex="[g-k]{5}"))
+    assert all(t.is_alive() for t in threads), "the hit or the small compile waited for it"
+    for t in threads:
+        t.join()
+    assert results[0] is results[1]
+    assert b.stats.num_compiled == before + 2
 
 
 def test_masks_forced_text_and_draft_rows(backend):
@@ -279,6 +310,36 @@ def test_auto_tool_grammar_checks_calls_and_leaves_text_free(backend):
         # A second call is checked too with parallel calls; without, text after the first is
         # free (the server keeps only the first call).
         assert valid(f'{call} then <tool_call>\n{{"name":"x"') == (not parallel)
+
+
+@pytest.mark.slow
+def test_the_engine_loop_takes_no_compile_lock_for_a_compiled_grammar(llm):
+    """``add_request`` with the grammar compiled already (as the server sends it), or with a
+    cached constraint, returns while another thread holds the backend's lock."""
+    engine = llm.engine
+    spec = StructuredOutputs(choice=["yes", "no"])
+    params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=spec)
+    grammar = engine.compile_grammar(spec)
+    prompt = chat_prompt(llm, "Yes or no?")
+    added = threading.Event()
+
+    def add() -> None:
+        engine.add_request("precompiled", prompt, params, grammar=grammar)
+        engine.add_request("cached", prompt, params)
+        added.set()
+
+    adder = threading.Thread(target=add)
+    with engine.structured.backend._lock:  # as a compile of old held it, for seconds
+        adder.start()
+        assert added.wait(30), "add_request waited on the compile lock"
+    adder.join()
+    finished, failures = run_collecting_failures(engine)
+    assert not failures and sorted(finished) == ["cached", "precompiled"]
+    assert {o.outputs[0].text for o in finished.values()} <= {"yes", "no"}
+    other = engine.compile_grammar(StructuredOutputs(regex="[0-9]+"))
+    with pytest.raises(ValueError, match="not the request's constraint"):
+        engine.add_request("mismatch", prompt, params, grammar=other)
+    assert not engine.has_unfinished_requests()
 
 
 def test_bad_constraint_queues_nothing(llm):

@@ -474,6 +474,18 @@ def test_failing_templates_raise_chat_template_error_quickly(source, words):
     assert time.monotonic() - start < 2
 
 
+def test_a_template_compiled_apart_renders_without_entering_the_cache():
+    """The sandboxed child renders a request's template this way: nothing of it stays."""
+    from tokenmill.tokenizer.chat_template import _compile, compile_template, render_chat
+
+    before = _compile.cache_info()
+    out = render_chat(compile_template("{{ messages[0].content }} (compiled apart)"),
+                      [{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                      tools=None, variables={})
+    assert out == "hi (compiled apart)"
+    assert _compile.cache_info() == before
+
+
 def test_bounded_sandbox_keeps_ordinary_arithmetic():
     from tokenmill.tokenizer.chat_template import render_chat
 

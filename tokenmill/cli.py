@@ -125,6 +125,10 @@ def engine_options(args: argparse.Namespace) -> dict:
     if "kv_cache_memory" in options:  # "4GiB" -> bytes, "2048blocks" -> a block count
         size, blocks = options.pop("kv_cache_memory")
         options.update({"kv_cache_memory": size} if blocks is None else {"num_blocks": blocks})
+    from tokenmill.config import EngineConfig
+
+    # Flags that cannot go together fail here, before torch is imported or a model loads.
+    EngineConfig.from_options(args.model, **options)
     return options
 
 
@@ -212,6 +216,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=60.0,
                    help="an engine step running longer than this many seconds turns /health "
                         "into 503 (and is logged) until it ends (default: 60)")
+    # Tests only, hidden: faults injected into engine steps (tokenmill/engine/faults.py).
+    p.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)
     _add_limit_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
@@ -324,12 +330,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # 125 (spinning) -> 192 (docs/performance.md). A user's own setting of either wins.
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ.update(OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="200000")
+    engine_options(args)  # bad engine flags fail here, before the server is imported
     from tokenmill.server.app import ServerSettings, run_server
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
     if args.step_timeout <= 0:
         raise ValueError("--step-timeout must be > 0")
+    from tokenmill.engine.faults import FaultPlan
+
+    faults = FaultPlan.parse(args.test_faults) if args.test_faults else None  # tests only
     settings = ServerSettings(
         model_name=args.served_model_name or args.model, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
@@ -343,6 +353,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine = _make_llm(args).engine
     finally:
         gc.enable()
+    engine.fault_hook = faults
     return run_server(engine, settings, args.log_level)
 
 

@@ -147,11 +147,18 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
+    def __post_init__(self) -> None:
+        # The CPU formats would be dequantized at load on a GPU: refused, not quietly dropped.
+        if self.device.split(":")[0] == "cuda" and self.quantization in ("int8", "int4", "auto"):
+            raise ValueError(f"quantization {self.quantization!r} (--quantization) runs on CPUs "
+                             f"only for now; on {self.device} use none or fp8")
+
     @classmethod
     def from_options(cls, model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:
         """Flat options (``max_num_seqs=8, block_size=32, device="cpu"``, any field of this
         class, ``CacheConfig`` or ``SchedulerConfig``) -> the nested config. Options left out
         keep the dataclasses' defaults, the only place defaults are written."""
+        _check_speculative_options(options)
         sections: dict[str | None, dict[str, Any]] = {}
         for name, value in options.items():
             sections.setdefault(_section_of(name), {})[name] = value
@@ -162,6 +169,26 @@ class EngineConfig:
 
 _SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
                               "speculative": SpeculativeConfig}
+_SPECULATIVE_METHODS = ("ngram", "draft", "layerskip")
+# speculative options that belong to one method; the others belong to every method
+_SPECULATIVE_OPTION_METHODS = {"prompt_lookup_min": ("ngram",), "prompt_lookup_max": ("ngram",),
+                               "speculative_model": ("draft",),
+                               "speculative_draft_layers": ("layerskip",)}
+
+
+def _check_speculative_options(options: dict[str, Any]) -> None:
+    """A speculative option given without the method it belongs to would be ignored: refused
+    before anything loads."""
+    method = options.get("speculative_method")
+    given = sorted(options.keys() & {f.name for f in fields(SpeculativeConfig)})
+    for name in given:
+        if name == "speculative_method":
+            continue
+        methods = _SPECULATIVE_OPTION_METHODS.get(name, _SPECULATIVE_METHODS)
+        if method not in methods:
+            allowed = " or ".join(filter(None, [", ".join(methods[:-1]), methods[-1]]))
+            raise ValueError(f"speculative option {name} applies only with speculative_method "
+                             f"{allowed} (--speculative-method); got {method or 'none'}")
 
 
 def _section_of(option: str) -> str | None:

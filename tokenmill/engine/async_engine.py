@@ -7,6 +7,12 @@ PyTorch releases the GIL during the forward, so the event loop stays responsive 
 
 A caller iterates ``generate()``; when it stops iterating (client gone: ``GeneratorExit`` or
 ``CancelledError``) the request is aborted at once and its KV blocks freed.
+
+A step that fails (in the engine, or in this loop's own metrics of it) fails the requests it
+touched, each stream ending with ``RequestFailedError``, and the loop goes on. The loop stops
+only when the engine does (``EngineDeadError``: steps failing with no request to blame) or on
+a bug in the loop itself; every stream then ends with ``EngineUnavailableError`` and
+``is_alive`` turns False (``/health`` answers 503 and says why, ``error``).
 """
 
 from __future__ import annotations
@@ -18,13 +24,16 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.engine.llm_engine import EngineInfo, EngineStats, LLMEngine
 from tokenmill.params import SamplingParams
 from tokenmill.request import RequestOutput
 from tokenmill.structured.spec import StructuredOutputs
 from tokenmill.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenmill.structured.backend import CompiledGrammar
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -80,6 +89,7 @@ class _Add:
     cache_salt: str | None
     stream: RequestStream
     added: asyncio.Future  # settled on the event loop once the engine took (or refused) it
+    grammar: CompiledGrammar | None = None  # compiled off the loop thread: it never compiles
 
 
 @dataclass(frozen=True)
@@ -161,6 +171,7 @@ class AsyncEngine:
         self._adds_taken = 0
         self._accepting = True
         self._stop = False
+        self._closed = False  # the loop has ended: commands are refused at once
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
@@ -176,10 +187,11 @@ class AsyncEngine:
         """Safe to use from the event loop: tokenizers are thread-safe for encode/decode."""
         return self.engine.tokenizer
 
-    def compile_grammar(self, spec: StructuredOutputs) -> None:
-        """Compile (and cache) an output constraint; raises ``ConstraintError``. Thread-safe
-        and slow for a new schema: call it off the event loop."""
-        self.engine.compile_grammar(spec)
+    def compile_grammar(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """Compile (and cache) an output constraint for ``add_request(grammar=)``; raises
+        ``ConstraintError``. Thread-safe and slow for a new schema: call it off the event
+        loop."""
+        return self.engine.compile_grammar(spec)
 
     def check_prompt(self, token_ids: Sequence[int], param: str = "prompt") -> None:
         """The engine's prompt check, callable before anything is queued."""
@@ -196,6 +208,11 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the loop stopped, when it died (None while it runs or after a clean stop)."""
+        return None if self._error is None else f"{type(self._error).__name__}: {self._error}"
 
     @property
     def num_active(self) -> int:
@@ -235,8 +252,10 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: str | Sequence[int],
                           params: SamplingParams, priority: int = 0,
-                          cache_salt: str | None = None) -> RequestStream:
-        """Queue a request and return its output stream once the engine took it.
+                          cache_salt: str | None = None,
+                          grammar: CompiledGrammar | None = None) -> RequestStream:
+        """Queue a request and return its output stream once the engine took it. Pass its
+        constraint's ``grammar`` (``compile_grammar``), or the loop thread compiles it.
 
         Raises ValueError (bad prompt: nothing queued), EngineOverloadedError or
         EngineUnavailableError. The caller must iterate the stream to its end or ``abort()`` it.
@@ -245,7 +264,8 @@ class AsyncEngine:
         stream = RequestStream(self, request_id, asyncio.Queue(), RequestTimings(time.monotonic()))
         added = self._loop.create_future()
         self._adds_sent += 1
-        self._send(_Add(request_id, prompt, params, priority, cache_salt, stream, added))
+        self._send(_Add(request_id, prompt, params, priority, cache_salt, stream, added,
+                        grammar))
         try:
             await added
         except asyncio.CancelledError:
@@ -292,6 +312,9 @@ class AsyncEngine:
 
     def _send(self, command: _Command) -> None:
         with self._cond:
+            if self._closed:
+                _refuse(command)
+                return
             self._commands.append(command)
             self._cond.notify()
 
@@ -310,20 +333,39 @@ class AsyncEngine:
                 for command in commands:
                     self._apply(command)
                 if commands:
-                    self._publish()
+                    self._publish_or_log()
                 if self.engine.has_unfinished_requests():
                     self._step()
                 else:
-                    self._publish()
+                    self._publish_or_log()
         except BaseException as e:  # the loop is dead: fail every stream, /health turns 503
             logger.exception("engine loop died")
             self._error = e
             error = EngineUnavailableError(f"the engine loop died: {e}")
-            self._deliver([(s, error) for s in self._streams.values()])
+            streams = list(self._streams.values())
+            self._abort_all()  # before anyone is told: their blocks are free by then
+            self._deliver([(s, error) for s in streams])
         finally:
             self._abort_all()
+            self._refuse_pending()
+
+    def _refuse_pending(self) -> None:
+        """The loop has ended: adds and flushes it will never take are refused, now and
+        later (``_send``), instead of waiting forever."""
+        with self._cond:
+            self._closed = True
+            pending = list(self._commands)
+            self._commands.clear()
+        for command in pending:
+            self._loop.call_soon_threadsafe(_refuse, command)
 
     def _apply(self, command: _Command) -> None:
+        try:
+            self._apply_one(command)
+        except Exception:  # one command's failure (a metrics listener's, say) is not the loop's
+            logger.exception("the engine loop's %s command failed", type(command).__name__)
+
+    def _apply_one(self, command: _Command) -> None:
         match command:
             case _Abort(request_id):
                 self._finish_aborted(request_id)
@@ -339,11 +381,11 @@ class AsyncEngine:
         try:
             self.engine.add_request(c.request_id, c.prompt, c.params, priority=c.priority,
                                     arrival_time=c.stream.timings.arrival,
-                                    cache_salt=c.cache_salt)
+                                    cache_salt=c.cache_salt, grammar=c.grammar)
         except Exception as e:
             # Publish first: a stale snapshot would count this refused add as queued, and a
             # caller told of the refusal could be refused admission for it.
-            self._publish()
+            self._publish_or_log()
             self._loop.call_soon_threadsafe(_settle, c.added, e)
             return
         self._streams[c.request_id] = c.stream
@@ -352,7 +394,7 @@ class AsyncEngine:
     def _flush(self, future: asyncio.Future) -> None:
         try:
             result = self.engine.flush_prefix_cache()
-        except RuntimeError as e:
+        except Exception as e:
             self._loop.call_soon_threadsafe(_settle, future, e)
             return
         self._loop.call_soon_threadsafe(_settle_value, future, result)
@@ -365,9 +407,9 @@ class AsyncEngine:
         last = stream.last or self.engine.current_output(request_id)
         self.engine.abort_request(request_id)
         stream.timings.finished = time.monotonic()
+        _log_finished(request_id, stream, aborted=True)
         if last is not None and self.listener:
             self.listener.on_request_finished(last, stream.timings)
-        _log_finished(request_id, stream, aborted=True)
 
     def _fail_all(self, reason: str) -> None:
         error = EngineUnavailableError(reason)
@@ -379,25 +421,56 @@ class AsyncEngine:
         self._step_start = start = time.monotonic()
         self._in_step = True
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step()  # fails its own requests; raises only when dead
         finally:
             self._in_step = False
+        failures = self.engine.take_failures()
+        try:
+            deliveries = self._account(outputs, start)
+        except Exception as e:  # metrics of the step failed: its requests fail, as in a step
+            deliveries = []
+            failures.update(self._fail_step(outputs, e))
+        self._fail_streams(failures)
+        self._deliver(deliveries)
+
+    def _account(self, outputs: list[RequestOutput], start: float) -> list:
+        """The step's timings, listener calls and gauges; returns the outputs to deliver.
+        Finished requests leave ``_streams`` only once all of it succeeded."""
         now = time.monotonic()
-        self._fail_streams(self.engine.take_failures())
         step = self.engine.last_step
+        if self.engine.fault_hook is not None:  # tests only
+            self.engine.fault_hook("metrics", step.scheduled_request_ids)
         self._mark_scheduled(step.scheduled_request_ids, start)
         deliveries = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            self._record(stream, output, now)
-            deliveries.append((stream, output))
-        self._deliver(deliveries)
+            if stream is not None:
+                self._record(stream, output, now)
+                deliveries.append((stream, output))
         if self.listener:
             self.listener.on_step(step.num_batched_tokens, step.num_new_tokens,
                                   step.num_preemptions)
         self._publish()
+        for stream, output in deliveries:
+            if output.finished:
+                del self._streams[output.request_id]
+                _log_finished(output.request_id, stream)
+        return deliveries
+
+    def _fail_step(self, outputs: list[RequestOutput], error: Exception) -> dict[str, str]:
+        """Fail the requests of a step whose accounting raised (those that finished in it
+        too: their callers get the error, not the output). Raises ``EngineDeadError`` from
+        the engine when steps keep failing with no request to blame."""
+        ids = set(self.engine.last_step.scheduled_request_ids)
+        ids.update(o.request_id for o in outputs)
+        logger.error("accounting for an engine step failed; failing its %d requests", len(ids),
+                     exc_info=error)
+        self.engine.fail_step(ids, error)
+        why = f"the engine step failed: {type(error).__name__}: {error}"
+        failures = {rid: why for rid in ids}
+        failures.update(self.engine.take_failures())
+        self._publish_or_log()
+        return failures
 
     def _fail_streams(self, failures: dict[str, str]) -> None:
         deliveries = []
@@ -428,14 +501,18 @@ class AsyncEngine:
         stream.last = output
         if output.finished:
             t.finished = now
-            del self._streams[output.request_id]
             if self.listener:
                 self.listener.on_request_finished(output, t)
-            _log_finished(output.request_id, stream)
 
     def _deliver(self, deliveries: list) -> None:
         if deliveries:
             self._loop.call_soon_threadsafe(_put_all, deliveries)
+
+    def _publish_or_log(self) -> None:
+        try:
+            self._publish()
+        except Exception:  # stale gauges until the next step publishes (or fails for it)
+            logger.exception("publishing the engine's gauges failed")
 
     def _publish(self) -> None:
         stats = self.engine.stats()
@@ -449,10 +526,7 @@ class AsyncEngine:
                 self._finish_aborted(request_id)
             except Exception:  # best effort while going down
                 logger.exception("abort of %s failed", request_id)
-        try:
-            self._publish()
-        except Exception:
-            pass
+        self._publish_or_log()
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
@@ -462,6 +536,14 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _refuse(command: _Command) -> None:
+    """Settle a command the loop will never take (on the event loop)."""
+    future = command.added if isinstance(command, _Add) else \
+        command.done if isinstance(command, _Flush) else None
+    if future is not None:
+        _settle(future, EngineUnavailableError("the engine loop has stopped"))
 
 
 def _settle_value(future: asyncio.Future, value: object) -> None:

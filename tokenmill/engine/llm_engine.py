@@ -14,27 +14,39 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.engine.output_state import RequestState
 from tokenmill.params import SamplingParams
-from tokenmill.request import FinishReason, Request, RequestOutput, check_prompt
+from tokenmill.request import (FinishReason, Request, RequestOutput, RequestStatus,
+                               check_prompt)
 from tokenmill.sched.output import ModelOutput, ScheduledChunk, SchedulerOutput, SeqUpdate
 from tokenmill.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.structured.backend import CompiledGrammar
     from tokenmill.structured.manager import PendingMasks, StructuredOutputManager
     from tokenmill.structured.spec import StructuredOutputs
     from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill.engine")
 
-# A failing model step fails the requests in it and the engine goes on; this many failing in a
-# row mean the engine itself is broken, and the step raises.
-MAX_FAILED_STEPS = 3
+# A failing step fails the requests it touched and the engine goes on, however often that
+# happens (a request that crashes a kernel must not take the server down with it). A failure
+# that touched no request has no one to blame: this many in a row mean the engine itself is
+# broken, and the step raises EngineDeadError.
+MAX_BLAMELESS_FAILURES = 3
+
+# ``LLMEngine.fault_hook``: called at each stage of a step with the callers' ids of the requests
+# in play (tests only: ``engine/faults.py``).
+FaultHook = Callable[[str, Collection[str]], None]
+
+
+class EngineDeadError(RuntimeError):
+    """Steps kept failing with no request to blame: the engine cannot go on."""
 
 
 class Runner(Protocol):
@@ -58,8 +70,11 @@ class DraftProposer(Protocol):
     ``stats()`` (``spec.SpecStats``).
     """
 
-    def propose(self, requests: Sequence[Request]) -> Mapping[str, Sequence[int]]:
-        """Draft tokens per sequence id for the running sequences; omitted ids get none."""
+    def propose(self, requests: Sequence[Request],
+                waiting_tokens: int) -> Mapping[str, Sequence[int]]:
+        """Draft tokens per sequence id for the running sequences; omitted ids get none.
+        ``waiting_tokens``: prompt tokens the step would admit from the waiting queue after
+        them (``Scheduler.waiting_prompt_tokens``), which drafts scheduled first push out."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +128,7 @@ class EngineStats:
     forward_seconds: float = 0.0  # runner.execute: model forward + sampling
     scheduler_seconds: float = 0.0  # schedule() + update_from_output()
     step_seconds: float = 0.0  # whole steps, detokenization included
+    num_failed_steps: int = 0  # steps that raised (their requests failed, the engine went on)
 
 
 @dataclass(frozen=True)
@@ -123,6 +139,15 @@ class StepInfo:
     num_new_tokens: int = 0
     num_preemptions: int = 0
     scheduled_request_ids: frozenset[str] = frozenset()  # callers' ids that ran any token
+
+
+@dataclass
+class _StepState:
+    """How far the running step got, which says what a failure in it touched."""
+
+    stage: str = "step"  # step (nothing touched yet), propose, schedule
+    out: SchedulerOutput | None = None  # schedule()'s result, once it returned
+    updated: bool = False  # update_from_output() was called: the scheduler took ``out``
 
 
 class LLMEngine:
@@ -148,10 +173,12 @@ class LLMEngine:
         self._draft_probs: dict[str, list] = {}  # of the drafts kept for the coming step
         self._requests: dict[str, RequestState] = {}
         self._failures: dict[str, str] = {}  # requests failed since take_failures(): why
-        self._failed_steps = 0  # model steps failed in a row
+        self._blameless_failures = 0  # failed steps in a row that touched no request
         self._num_added = 0
         self._counters = dict(num_steps=0, num_prompt_tokens_computed=0,
-                              num_generated_tokens=0, forward_seconds=0.0, step_seconds=0.0)
+                              num_generated_tokens=0, forward_seconds=0.0, step_seconds=0.0,
+                              num_failed_steps=0)
+        self.fault_hook: FaultHook | None = None  # tests only (engine/faults.py)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -233,17 +260,19 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    grammar: CompiledGrammar | None = None) -> None:
         """Queue a request. Raises ValueError (nothing queued) for a bad prompt or one that can
         never fit the context or the KV cache. Requests with different ``cache_salt`` never
-        share prefix-cache entries."""
+        share prefix-cache entries. ``grammar`` is the request's constraint compiled already
+        (``compile_grammar``; the server does it off this thread), else it is compiled here."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) \
             else (None, [int(t) for t in prompt])
         self.check_prompt(ids)
         params = self._seeded(params or SamplingParams())
-        grammar = self.compile_grammar(params.structured_outputs)
+        grammar = self._grammar_for(params.structured_outputs, grammar)
         request = Request(request_id, ids, params, priority=priority, cache_salt=cache_salt,
                           **({} if arrival_time is None else {"arrival_time": arrival_time}))
         sequences = self.scheduler.add_request(request)
@@ -253,7 +282,7 @@ class LLMEngine:
         self._requests[request_id] = RequestState(request_id, text, ids, params, sequences,
                                                   self.tokenizer)
 
-    def compile_grammar(self, spec: StructuredOutputs | None):
+    def compile_grammar(self, spec: StructuredOutputs | None) -> CompiledGrammar | None:
         """The compiled constraint (None for None). Raises ``ConstraintError`` (a ValueError
         naming the request field) for one that does not compile. Cached and thread-safe: the
         server calls it off the event loop before queueing."""
@@ -262,6 +291,14 @@ class LLMEngine:
         if self.structured is None:
             raise ValueError(f"{spec.param}: this engine was built without structured output")
         return self.structured.compile(spec)
+
+    def _grammar_for(self, spec: StructuredOutputs | None,
+                     compiled: CompiledGrammar | None) -> CompiledGrammar | None:
+        if compiled is None:
+            return self.compile_grammar(spec)
+        if spec is None or compiled.spec.key != spec.key:
+            raise ValueError("the compiled grammar given is not the request's constraint")
+        return compiled
 
     def _seeded(self, params: SamplingParams) -> SamplingParams:
         if params.seed is not None or self.seed is None or params.greedy:
@@ -290,8 +327,35 @@ class LLMEngine:
         return failures
 
     def _fail(self, request_id: str, why: str) -> None:
-        if self.abort_request(request_id):
+        """End a request (a caller's id) with an error ``take_failures`` reports, its blocks
+        freed; also one whose sequences all ended in the failing step, whose output the caller
+        never got."""
+        state = self._requests.pop(request_id, None)
+        self.scheduler.abort_request(request_id)
+        if state is not None:
             self._failures[request_id] = why
+
+    def fail_step(self, request_ids: Collection[str], error: Exception) -> None:
+        """A step failed after ``step`` returned (in the caller's bookkeeping of it, such as
+        metrics): fail ``request_ids`` as ``step`` fails the requests of a step that raised.
+        Raises ``EngineDeadError`` when steps keep failing with no request to blame."""
+        self._fail_requests(request_ids, error)
+        self._count_failure(bool(request_ids), error)
+
+    def _fail_requests(self, request_ids: Collection[str], error: Exception) -> None:
+        why = f"the engine step failed: {type(error).__name__}: {error}"
+        for request_id in request_ids:
+            self._fail(request_id, why)
+
+    def _count_failure(self, blamed: bool, error: Exception) -> None:
+        self._counters["num_failed_steps"] += 1
+        if blamed:
+            return
+        self._blameless_failures += 1
+        if self._blameless_failures >= MAX_BLAMELESS_FAILURES:
+            raise EngineDeadError(
+                f"{self._blameless_failures} steps in a row failed with no request to blame, "
+                f"the last with {type(error).__name__}: {error}") from error
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -332,23 +396,53 @@ class LLMEngine:
     # ----- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that changed."""
+        """Run one iteration; returns an output for every request that changed.
+
+        Whatever raises inside the step (proposer, schedule, forward, sampling, grammar,
+        update, output processing) fails the requests the step touched (``take_failures``
+        says why), the step returns [] and the engine goes on with the others. Only failures
+        that touch no request, ``MAX_BLAMELESS_FAILURES`` steps in a row, raise
+        ``EngineDeadError``."""
+        s = _StepState()
+        try:
+            outputs = self._step(s)
+        except Exception as e:
+            self._recover(s, e)
+            return []
+        if s.out.scheduled:  # work done: earlier failures were not the engine's end
+            self._blameless_failures = 0
+        return outputs
+
+    def _step(self, s: _StepState) -> list[RequestOutput]:
         start = time.perf_counter()
         preempted = self.scheduler.num_preemptions
+        self._inject("step", s)
+        s.stage = "propose"
+        self._inject("propose", s)
         self._propose()
-        out = self.scheduler.schedule()
+        s.stage = "schedule"
+        out = s.out = self.scheduler.schedule()
+        self._inject("schedule", s)
         self._forget(out.finished_ids)  # aborted between steps
-        result, seconds = self._run(out) if out.scheduled else (ModelOutput(), 0.0)
-        if hasattr(self.proposer, "observe") and result is not None:
+        result, seconds = self._run(s) if out.scheduled else (ModelOutput(), 0.0)
+        self._inject("observe", s)
+        if hasattr(self.proposer, "observe"):
             self.proposer.observe(out.scheduled, result.token_ids, out.num_batched_tokens,
                                   seconds)
-        result = result or ModelOutput()
+        self._inject("grammar", s)
         if self.structured is not None:  # a request whose grammar broke fails alone
             for group_id, why in self.structured.take_failed().items():
                 self._fail(group_id, why)
+        s.updated = True
         updates = self.scheduler.update_from_output(out, result.token_ids)
+        self._inject("update", s)
         outputs = self._process(updates, result.logprobs)
+        self._inject("process", s)
         self._forget(self.scheduler.take_finished_ids())  # now, not at the next step
+        self._inject("finish", s)
+        for output in outputs:  # only now: a failure before this fails them too
+            if output.finished:
+                del self._requests[output.request_id]
         new_tokens = sum(len(u.new_token_ids) for u in updates)
         self.last_step = StepInfo(out.num_batched_tokens, new_tokens,
                                   self.scheduler.num_preemptions - preempted,
@@ -363,6 +457,56 @@ class LLMEngine:
         if seq_ids and hasattr(self.proposer, "forget"):
             self.proposer.forget(seq_ids)
 
+    def _inject(self, stage: str, s: _StepState) -> None:
+        """The fault hook (tests only; nothing when unset), with the callers' ids of the
+        requests in play: every unfinished one at the start, then those the stage touches."""
+        if self.fault_hook is not None:
+            in_play = set(self._requests) if s.stage == "step" else self._touched(s)
+            self.fault_hook(stage, in_play)
+
+    def _touched(self, s: _StepState) -> set[str]:
+        """The requests (callers' ids) a step that fails now may have left half-changed."""
+        if s.out is not None:  # schedule() returned: the requests it scheduled
+            return {c.request.group_id for c in s.out.scheduled}
+        if s.stage == "schedule":  # schedule() raised: the step it half built is lost
+            return self._unsettled()
+        if s.stage == "propose":  # drafts (and grammar state) of every running sequence
+            return {r.group_id for r in self.scheduler.running}
+        return set()
+
+    def _unsettled(self) -> set[str]:
+        """After schedule() raised: every request with a sequence it may have advanced or
+        given blocks (running, holding blocks, or with computed tokens). Waiting sequences
+        without any are as they were, and wait on."""
+        owners = set(self.scheduler.block_manager.owners())
+
+        def unsettled(seq: Request) -> bool:
+            if seq.is_finished:
+                return False
+            return seq.status is RequestStatus.RUNNING or bool(seq.num_computed_tokens) \
+                or seq.request_id in owners
+
+        return {state.request_id for state in self._requests.values()
+                if any(unsettled(seq) for seq in state.sequences)}
+
+    def _recover(self, s: _StepState, error: Exception) -> None:
+        """After a step raised: fail the requests it touched, have the scheduler take the step
+        back (their blocks are freed, none cached), and count a failure that blamed nobody."""
+        touched = self._touched(s)
+        logger.error("an engine step failed (%s); failing the %d requests it touched: %s",
+                     s.stage if s.out is None else "after schedule", len(touched),
+                     sorted(touched)[:8], exc_info=error)
+        self._fail_requests(touched, error)
+        if s.out is not None and not s.updated:  # every chunk's request was just aborted
+            self.scheduler.update_from_output(s.out, {})
+        self._draft_probs = {}
+        self.last_step = StepInfo()
+        try:
+            self._forget(self.scheduler.take_finished_ids())
+        except Exception:  # the proposer may be what failed; its state for them may leak
+            logger.exception("the proposer could not drop the failed sequences")
+        self._count_failure(bool(touched), error)
+
     def _propose(self) -> None:
         self._draft_probs = {}
         if not self.scheduler.num_running:
@@ -371,7 +515,8 @@ class LLMEngine:
         constrained = self.structured is not None and any(r.grammar is not None for r in running)
         if self.proposer is None and not constrained:  # an unconstrained batch: nothing to do
             return
-        proposed = self.proposer.propose(running) if self.proposer is not None else {}
+        proposed = self.proposer.propose(running, self.scheduler.waiting_prompt_tokens()) \
+            if self.proposer is not None else {}
         probs = getattr(self.proposer, "draft_probs", None) or {}
         drafts = self.structured.propose(running, proposed) if constrained else proposed
         for request in running:
@@ -382,25 +527,14 @@ class LLMEngine:
             if kept and seq_id in probs and list(proposed[seq_id][:len(kept)]) == kept:
                 self._draft_probs[seq_id] = probs[seq_id][:len(kept)]
 
-    def _run(self, out: SchedulerOutput) -> tuple[ModelOutput | None, float]:
-        """The model step; None when it failed (its requests failed, the engine goes on)."""
+    def _run(self, s: _StepState) -> tuple[ModelOutput, float]:
+        """The model step: forward and sampling, the grammar masks filled meanwhile."""
+        out = s.out
         start = time.perf_counter()
-        try:
-            masks = self.structured.start_masks(out.scheduled) if self.structured else None
-            result = self.runner.execute(out.scheduled, masks, self._draft_probs or None)
-        except Exception as e:
-            # Leave no sequence half-run: the step's requests fail, the engine lives on.
-            self._failed_steps += 1
-            logger.exception("model step failed; failing the %d requests in it",
-                             len(out.scheduled))
-            for chunk in out.scheduled:
-                self._fail(chunk.request.group_id, f"the model step failed: "
-                           f"{type(e).__name__}: {e}")
-            if self._failed_steps >= MAX_FAILED_STEPS:
-                self.scheduler.update_from_output(out, {})
-                raise
-            return None, time.perf_counter() - start
-        self._failed_steps = 0
+        masks = self.structured.start_masks(out.scheduled) if self.structured else None
+        self._inject("forward", s)
+        result = self.runner.execute(out.scheduled, masks, self._draft_probs or None)
+        self._inject("sample", s)
         seconds = time.perf_counter() - start
         self._counters["forward_seconds"] += seconds
         self._counters["num_prompt_tokens_computed"] += sum(
@@ -449,10 +583,4 @@ class LLMEngine:
                 touched.pop(state.request_id, None)
                 continue
             touched[state.request_id] = state
-        outputs = []
-        for request_id, state in touched.items():
-            output = state.output()
-            if output.finished:
-                del self._requests[request_id]
-            outputs.append(output)
-        return outputs
+        return [state.output() for state in touched.values()]

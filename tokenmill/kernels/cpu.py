@@ -43,13 +43,15 @@ def build_dir() -> Path:
 
 
 def build_inputs() -> list[str]:
-    """Everything a build depends on besides the sources: the build records the paths of the
-    torch installation, Python's headers and the compiler it used, and torch rebuilds when any
-    of them differs from the loading environment's. So two environments on one machine (two
-    virtual environments, CI beside a development install) each get a folder of their own
-    instead of rebuilding each other's, and wait on each other's compile lock for minutes."""
+    """Everything a build depends on besides the sources' text: the build records the paths of
+    the sources, the torch installation, Python's headers and the compiler it used, and torch
+    rebuilds when any of them differs from the loading environment's. So two environments or
+    checkouts on one machine (two virtual environments, CI's clone beside a development one)
+    each get a folder of their own instead of rebuilding each other's, and waiting on each
+    other's compile lock for minutes."""
     compiler = os.environ.get("CXX", "c++")
-    return [torch.__version__, str(Path(torch.__file__).resolve().parent), sys.version,
+    return [str(SOURCE.resolve()), torch.__version__, str(Path(torch.__file__).resolve().parent),
+            sys.version,
             sysconfig.get_paths()["include"], os.path.realpath(shutil.which(compiler) or compiler),
             *_FLAGS, *sorted(cpu_flags())]
 

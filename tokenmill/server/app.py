@@ -22,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
+                                           EngineUnavailableError, RequestFailedError)
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.params import SamplingParams
 from tokenmill.request import PromptError, check_vocabulary
@@ -124,14 +125,24 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
         return model_card()
 
     @app.get("/health")
-    async def health(generate: bool = False):
-        """200 while the engine loop lives and no step overran ``--step-timeout``; with
-        ``generate=true`` only once a one-token generation came back too."""
-        if not (engine.is_alive and watchdog.healthy):
-            return Response(status_code=503)
-        if generate and not await _generate_one_token(engine, settings.step_timeout):
-            return Response(status_code=503)
-        return Response(status_code=200)
+    async def health(raw: Request, generate: bool = False):
+        """200 ``{"status": "ok"}`` while the engine loop lives and no step has overrun
+        ``--step-timeout``, else 503 ``{"status": "unhealthy", "reason": ...}``. With
+        ``generate=true`` (which needs the API key when one is set: it runs the model) a
+        one-token generation must come back too; a server too busy to run it now (its queue
+        full, or other work ahead of it past the timeout while steps go on) answers 200
+        ``{"status": "busy"}``: a liveness probe must not restart a server for being busy."""
+        if generate and settings.api_key and not _key_matches(
+                raw.headers.get("authorization", "").encode("latin-1"), settings.api_key):
+            raise _auth_error()
+        problem = watchdog.problem()
+        if problem is None and generate:
+            status, problem = await _probe(engine, settings.step_timeout)
+            if status == "busy":
+                return JSONResponse({"status": "busy", "reason": problem})
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def version():
@@ -237,14 +248,23 @@ class _BearerAuth:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.public:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            scheme, _, key = given.partition(b" ")
-            if not (hmac.compare_digest(key.strip(), self.expected)
-                    and scheme.lower() == b"bearer"):
-                err = APIError(401, "Incorrect or missing API key: send Authorization: Bearer "
-                               "<key>", "authentication_error", None, "invalid_api_key")
-                await _error_response(err)(scope, receive, send)
+            if not _key_matches(given, self.expected):
+                await _error_response(_auth_error())(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _key_matches(authorization: bytes, api_key: bytes | str) -> bool:
+    """Whether an Authorization header is ``Bearer <api_key>`` (the key compared in constant
+    time; the scheme's case does not matter, RFC 9110)."""
+    expected = api_key.encode() if isinstance(api_key, str) else api_key
+    scheme, _, key = authorization.partition(b" ")
+    return hmac.compare_digest(key.strip(), expected) and scheme.lower() == b"bearer"
+
+
+def _auth_error() -> APIError:
+    return APIError(401, "Incorrect or missing API key: send Authorization: Bearer <key>",
+                    "authentication_error", None, "invalid_api_key")
 
 
 class _BodyLimit:
@@ -302,7 +322,18 @@ class _Watchdog:
     def __init__(self, engine: AsyncEngine, step_timeout: float):
         self.engine = engine
         self.step_timeout = step_timeout
-        self.healthy = True
+        self.healthy = True  # as of the last check (for the log lines)
+
+    def problem(self) -> str | None:
+        """Why /health answers 503 now (read at each call), or None."""
+        if not self.engine.is_alive:
+            why = self.engine.error or "the server is shutting down"
+            return f"the engine has stopped: {why}"
+        running = self.engine.step_seconds
+        if running > self.step_timeout:
+            return f"an engine step has run for {running:.1f}s (--step-timeout " \
+                   f"{self.step_timeout:g}s)"
+        return None
 
     async def run(self) -> None:
         reported_dead = False
@@ -322,25 +353,46 @@ class _Watchdog:
                 reported_dead = True
 
 
-async def _generate_one_token(engine: AsyncEngine, timeout: float) -> bool:
-    """A one-token generation through the whole engine (the health probe's ``generate``)."""
+async def _probe(engine: AsyncEngine, timeout: float) -> tuple[str, str | None]:
+    """A one-token generation through the whole engine (``/health?generate=true``): ``("ok",
+    None)`` once it came back, ``("busy", why)`` when the server is too busy to run it now
+    (steps go on), else ``("unhealthy", why)``. A probe that failed with a step it shared
+    with a failing request runs once more: that request is gone by then."""
+    why = None
+    for _ in range(2):
+        status, why = await _probe_once(engine, timeout)
+        if status != "failed":
+            return status, why
+    return "unhealthy", why
+
+
+async def _probe_once(engine: AsyncEngine, timeout: float) -> tuple[str, str | None]:
     token = engine.tokenizer.bos_token_id
-    prompt = [token if token is not None else 0]
+    steps = engine.snapshot.stats.num_steps
     try:
-        stream = await engine.add_request(f"health-{uuid.uuid4().hex}", prompt,
+        stream = await engine.add_request(f"health-{uuid.uuid4().hex}",
+                                          [token if token is not None else 0],
                                           SamplingParams(max_tokens=1, temperature=0.0))
-    except Exception:  # overloaded or stopping: not able to generate now
-        return False
+    except EngineOverloadedError:
+        return "busy", "the request queue is full"
+    except EngineUnavailableError as e:
+        return "unhealthy", str(e)
     try:
         async with asyncio.timeout(timeout):
             async for out in stream:
                 if out.finished:
-                    return len(out.outputs[0].token_ids) == 1
-    except Exception:
-        logger.warning("health probe: the one-token generation failed", exc_info=True)
+                    return "ok", None
+    except TimeoutError:
+        if engine.snapshot.stats.num_steps > steps:  # working, just not on the probe yet
+            return "busy", f"the probe's generation waited over {timeout:g}s behind others"
+        return "unhealthy", f"no engine step completed in {timeout:g}s"
+    except RequestFailedError as e:
+        return "failed", f"the probe's generation failed: {e}"
+    except EngineUnavailableError as e:
+        return "unhealthy", str(e)
     finally:
         stream.abort()
-    return False
+    return "unhealthy", "the probe's generation ended without a result"
 
 
 # ----- running ----------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ FinishReason = Literal["stop", "length", "abort"]
 # ----- /v1/completions --------------------------------------------------------------------------
 
 class CompletionLogprobs(BaseModel):
-    """Per token: its text, logprob and top alternatives (echoed prompt tokens have none)."""
+    """Per generated token: its text, logprob and top alternatives (``echo`` with
+    ``logprobs`` is refused until the prompt's own logprobs are computed)."""
 
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -287,6 +288,14 @@ class Version(BaseModel):
     version: str
 
 
+class HealthStatus(BaseModel):
+    """/health: ok; busy (generate=true could not run its generation for other work); or
+    unhealthy, with why."""
+
+    status: Literal["ok", "busy", "unhealthy"]
+    reason: str | None = None
+
+
 class ServerInfo(BaseModel):
     """How the engine runs (dtype and why, attention backend, CPU, sizes); fields may grow."""
 
@@ -311,7 +320,7 @@ class ErrorBody(BaseModel):
 MODELS: tuple[type[BaseModel], ...] = (
     Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ResponseObject,
     ResponseStreamEvent, ModelCard, ModelList, Tokenized, Detokenized, FlushedCache, Version,
-    ServerInfo, ErrorBody)
+    HealthStatus, ServerInfo, ErrorBody)
 
 
 # ----- the table --------------------------------------------------------------------------------
@@ -359,10 +368,13 @@ ROUTES: dict[str, Statuses] = {
                     413: (_TOO_LARGE, ErrorBody)},
     "/flush_cache": {200: ("prefix-cache blocks freed", FlushedCache),
                      400: ("requests are running", ErrorBody), 401: (_AUTH, ErrorBody)},
-    "/health": {200: ("the engine is alive (empty body)", None),
+    "/health": {200: ("the engine is alive: ok, or busy (generate=true: too busy to run the "
+                      "probe's generation now)", HealthStatus),
                 400: ("generate is not a boolean", ErrorBody),
-                503: ("the engine loop died or stalled, or the generate probe failed (empty "
-                      "body)", None)},
+                401: ("generate=true without the API key (only when the server runs with "
+                      "one)", ErrorBody),
+                503: ("the engine loop stopped or a step overran --step-timeout, or the "
+                      "generate probe failed", HealthStatus)},
     "/version": {200: ("the tokenmill version", Version)},
     "/server_info": {200: ("how the engine runs", ServerInfo), 401: (_AUTH, ErrorBody)},
     "/metrics": {200: ("Prometheus text exposition", PROMETHEUS_TEXT),

@@ -9,6 +9,7 @@ hold a lone UTF-16 surrogate (valid JSON, but not text) and no number may be inf
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
@@ -81,6 +82,61 @@ def printable(text: str) -> str:
 
 def _top(where: str) -> str:
     return where.split(".", 1)[0].split("[", 1)[0]
+
+
+# A request id becomes part of response and engine ids and of log lines: short and plain.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def check_request_id(value: str, param: str) -> str:
+    """``value`` as it is, or FieldError: a client's request id (``request_id``, the
+    X-Request-Id header) is 1 to 128 characters of ``A-Z a-z 0-9 . _ : -``."""
+    if not _REQUEST_ID.fullmatch(value):
+        raise FieldError(param, f"{param}: 1 to 128 characters of A-Z, a-z, 0-9 and . _ : - "
+                         f"(got {len(value)} characters)")
+    return value
+
+
+# JSON Schema keys whose values are schemas by name (not schemas themselves), and keys whose
+# values are data; ``open_objects`` must not take either for an object schema.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def open_objects(schema: Any) -> Any:
+    """A copy of a JSON schema in which an object that lists its ``properties`` and says
+    nothing about others allows others, as JSON Schema reads it. Output constraints close such
+    objects (strict mode); ``"strict": false`` asks for this reading instead."""
+    if isinstance(schema, list):
+        return [open_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: open_objects(s) for name, s in value.items()}
+        else:
+            out[key] = value if key in _DATA_KEYS else open_objects(value)
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = True
+    return out
+
+
+def honour_strict(response_format: Any) -> Any:
+    """``response_format`` with a ``json_schema`` whose ``strict`` is false opened
+    (``open_objects``); otherwise as it is. A ``strict`` that is not a boolean is refused."""
+    body = response_format.get("json_schema") if isinstance(response_format, dict) else None
+    if not isinstance(body, dict) or response_format.get("type") != "json_schema":
+        return response_format
+    strict = body.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise APIError(400, "response_format.json_schema.strict: must be a boolean",
+                       param="response_format.json_schema.strict", code="invalid_value")
+    if strict is not False or not isinstance(body.get("schema"), dict):
+        return response_format
+    return {**response_format, "json_schema": {**body, "schema": open_objects(body["schema"])}}
 
 
 # Fields of OpenAI's or vLLM's API that tokenmill does not implement, with the values that ask
@@ -173,7 +229,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
-    user: str | None = None
+    user: str | None = None  # an end user's id for the operator (OpenAI); generates nothing
     # vLLM's: the response's id is made from it (the X-Request-Id header, where sent, wins)
     request_id: str | None = None
     cache_salt: str | None = None  # prefix-cache namespace (per tenant): no sharing across salts
@@ -185,6 +241,11 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+
+    @field_validator("request_id")
+    @classmethod
+    def _plain_request_id(cls, value: str | None) -> str | None:
+        return None if value is None else check_request_id(value, "request_id")
 
 
 class CompletionRequest(_SamplingFields):

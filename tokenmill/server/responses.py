@@ -7,13 +7,17 @@ into output items and the stream's events, so a streamed response ends in exactl
 non-streamed one returns.
 
 Responses live in an in-memory LRU store (``STORE_SIZE``) for the server's lifetime, so
-``previous_response_id`` can continue them; ``store: false`` keeps one out. Every Responses
-field asking for something tokenmill cannot do (background runs, reasoning effort, built-in
-tools, stored prompts, ``truncation: "auto"``, ...) is refused with a 400 naming the field.
+``previous_response_id`` can continue them; ``store: false`` keeps one out. The store is
+divided by tenant: a response is found only with the API key and ``cache_salt`` it was made
+with (to any other it does not exist), so a chosen or guessed id reaches no one else's chain.
+Every Responses field asking for something tokenmill cannot do (background runs, reasoning
+effort, built-in tools, stored prompts, ``truncation: "auto"``, ...) is refused with a 400
+naming the field; ``max_tool_calls`` bounds the function calls kept (0: tools not offered).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -31,9 +35,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenmill.engine.async_engine import (EngineUnavailableError, RequestFailedError,
                                            RequestStream)
 from tokenmill.request import FinishReason, RequestOutput
-from tokenmill.server.protocol import APIError, ChatMessage, _SamplingFields
+from tokenmill.server.protocol import (APIError, ChatMessage, _SamplingFields, open_objects,
+                                       printable)
 from tokenmill.server.serving import (OpenAIServing, _AbortingStreamingResponse, _collect,
-                                      _merge, engine_error)
+                                      _merge, engine_error, request_id_header)
 from tokenmill.structured.spec import ConstraintError, StructuredOutputs, from_request
 from tokenmill.structured.tool_parsers import ToolCallParser
 from tokenmill.structured.tools import check_tool_choice, tool_choice_constraint
@@ -303,6 +308,11 @@ class _Tools:
     choosable: list[dict[str, Any]] | None  # chat tools the model may call (allowed_tools)
     choice: Any  # tool_choice in chat format
     mode: str  # none, auto, required or named (check_tool_choice)
+    limit: int | None = None  # the most function calls (max_tool_calls, parallel_tool_calls)
+
+    @property
+    def parallel(self) -> bool:
+        return self.limit is None or self.limit > 1
 
 
 def _function_tool(tool: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -353,7 +363,19 @@ def _tools(req: ResponsesRequest) -> _Tools:
         mode = check_tool_choice(choosable or None, choice)
     except ValueError as e:
         raise _bad("tool_choice", str(e)) from None
-    return _Tools(chat, [e for _, e in pairs], choosable, choice, mode)
+    limit = _call_limit(req)
+    if limit == 0 and mode in ("required", "named"):
+        raise _bad("max_tool_calls", f"0 allows no call, but tool_choice asks for one ({mode})")
+    if limit == 0:  # no call may be made: the tools are not offered
+        mode = "none"
+    return _Tools(chat, [e for _, e in pairs], choosable, choice, mode, limit)
+
+
+def _call_limit(req: ResponsesRequest) -> int | None:
+    """The most function calls a response may make: ``max_tool_calls``, and one without
+    ``parallel_tool_calls``; None: any number. Calls past it are dropped."""
+    limits = [req.max_tool_calls, 1 if req.parallel_tool_calls is False else None]
+    return min((n for n in limits if n is not None), default=None)
 
 
 def _tool_choice(value: Any, offered: list[str]) -> tuple[Any, set[str] | None]:
@@ -400,7 +422,9 @@ def _text_format(text: dict[str, Any] | None) -> tuple[StructuredOutputs | None,
         if fmt["strict"] not in (None, True, False) \
                 or not isinstance(fmt["description"], str | None):
             raise _bad("text.format", "strict must be a boolean and description a string")
-        spec = StructuredOutputs(json=fmt["schema"], param="text.format.schema")
+        # strict false: the schema as JSON Schema reads it, objects open (protocol.py)
+        schema = open_objects(fmt["schema"]) if fmt["strict"] is False else fmt["schema"]
+        spec = StructuredOutputs(json=schema, param="text.format.schema")
     else:
         raise _bad("text.format.type", f"must be 'text', 'json_object' or 'json_schema', "
                    f"got {kind!r}")
@@ -427,7 +451,7 @@ def _constraint(req: ResponsesRequest, text_spec: StructuredOutputs | None, tool
                                   f"another output constraint", spec.param)
         if spec is None and tools.mode != "none":
             spec = tool_choice_constraint(tools.choosable, tools.choice,
-                                          req.parallel_tool_calls is not False, parser)
+                                          tools.parallel, parser)
         return spec
     except ConstraintError as e:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
@@ -452,11 +476,11 @@ class _OutputItems:
     at the end); with a tool ``parser`` each call becomes a function_call item when it is
     complete. A non-streamed response feeds the whole text once and gets the same items."""
 
-    def __init__(self, parser: ToolCallParser | None, parallel_tool_calls: bool,
+    def __init__(self, parser: ToolCallParser | None, call_limit: int | None,
                  logprob: Callable[[Any], dict] | None = None):
         self.items: list[dict[str, Any]] = []
         self._streamer = parser.streamer() if parser is not None else None
-        self._parallel = parallel_tool_calls
+        self._limit = call_limit  # the most function calls; later ones are dropped
         self._logprob = logprob  # an engine logprob entry -> an output_text logprob
         self._message: dict[str, Any] | None = None  # the open message item
         self._index = 0  # its output index
@@ -490,7 +514,7 @@ class _OutputItems:
                 self._add_text(delta["content"], (), events)
                 continue
             call = delta["tool_calls"][0]
-            if call["index"] > 0 and not self._parallel:  # one call at most
+            if self._limit is not None and call["index"] >= self._limit:
                 continue
             if "id" in call:
                 self._call = (call["id"], call["function"]["name"])
@@ -580,6 +604,7 @@ class _Pending:
     tools: _Tools
     text: dict[str, Any]
     history: list[dict[str, Any]]  # the previous responses' items and this input's
+    namespace: str = ""  # whose store it is kept in (_namespace)
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def body(self, status: str, output: list[dict[str, Any]], usage: dict | None = None,
@@ -619,12 +644,16 @@ class OpenAIResponses:
         self.s = serving
         self.store_size = store_size
         self.store_chars = store_chars
-        # response id -> (the input and output items of its whole chain in order, their size)
-        self._store: OrderedDict[str, tuple[list[dict[str, Any]], int]] = OrderedDict()
+        # (namespace, response id) -> (the input and output items of its whole chain in
+        # order, their size)
+        self._store: OrderedDict[tuple[str, str], tuple[list[dict[str, Any]], int]] = \
+            OrderedDict()
         self._chars = 0
 
     async def create(self, req: ResponsesRequest, raw: Request):
-        pending, output, streams = await self._start(req)
+        namespace = _namespace(raw, req.cache_salt)
+        given_id = request_id_header(raw) or req.request_id
+        pending, output, streams = await self._start(req, namespace, given_id)
         if req.stream:
             return self._stream(pending, output, streams)
         final = (await _collect(streams, raw))[0]
@@ -635,9 +664,10 @@ class OpenAIResponses:
         self._keep(pending, body)
         return JSONResponse(body)
 
-    async def _start(self, req: ResponsesRequest
+    async def _start(self, req: ResponsesRequest, namespace: str, given_id: str | None
                      ) -> tuple[_Pending, _OutputItems, list[RequestStream]]:
-        """Check everything, render the conversation and queue the engine request."""
+        """Check everything, render the conversation and queue the engine request; the
+        response's id is ``given_id`` where a client chose one."""
         s = self.s
         s.check_model(req.model)
         _refuse_unsupported(req)
@@ -645,7 +675,7 @@ class OpenAIResponses:
             s._check_request(req, 1, req.max_output_tokens, "max_output_tokens",
                              req.top_logprobs, "top_logprobs")
         items = _input_items(req.input)
-        previous = self._previous(req.previous_response_id)
+        previous = self._previous(namespace, req.previous_response_id)
         messages = _chat_messages(previous, items, req.instructions)
         tools = _tools(req)
         text_spec, text_echo = _text_format(req.text)
@@ -662,11 +692,11 @@ class OpenAIResponses:
             await s._compile(params)
             # Reasoning items reach no prompt: they are not kept either.
             kept = [i for i in items if not (isinstance(i, dict) and i.get("type") == "reasoning")]
-            pending = _Pending(self._new_id(req.request_id), s.model_name, req, tools,
-                               text_echo, previous + kept)
+            pending = _Pending(self._new_id(namespace, given_id), s.model_name, req, tools,
+                               text_echo, previous + kept, namespace)
             streams = await s._add_all(pending.rid, [prompt.ids], params, req.priority,
                                        req.cache_salt)
-        output = _OutputItems(parser, req.parallel_tool_calls is not False,
+        output = _OutputItems(parser, tools.limit,
                               self._logprob(logprobs) if logprobs is not None else None)
         return pending, output, streams
 
@@ -729,26 +759,27 @@ class OpenAIResponses:
 
     # ----- the store ------------------------------------------------------------------------------
 
-    def _previous(self, response_id: str | None) -> list[dict[str, Any]]:
+    def _previous(self, namespace: str, response_id: str | None) -> list[dict[str, Any]]:
+        """The items of a stored response's chain; one kept in another namespace is not
+        found, as one never kept."""
         if response_id is None:
             return []
-        kept = self._store.get(response_id)
+        kept = self._store.get((namespace, response_id))
         if kept is None:
-            raise APIError(404, f"Previous response with id '{response_id}' not found.",
-                           "not_found_error", "previous_response_id",
+            raise APIError(404, f"Previous response with id '{printable(response_id)[:200]}' "
+                           f"not found.", "not_found_error", "previous_response_id",
                            "previous_response_not_found")
-        self._store.move_to_end(response_id)
+        self._store.move_to_end((namespace, response_id))
         return kept[0]
 
-    def _new_id(self, given: str | None) -> str:
-        """The response's id: vLLM's ``request_id`` as sent, where it names no stored response
-        (a later ``previous_response_id`` must find one chain), else a fresh one."""
+    def _new_id(self, namespace: str, given: str | None) -> str:
+        """The response's id: a client's request id (checked as protocol.check_request_id
+        says) where it names no response stored in this namespace (a later
+        ``previous_response_id`` must find one chain), else a random one."""
         if given is None:
             return f"resp_{uuid.uuid4().hex}"
-        if not given:
-            raise _bad("request_id", "a response's id cannot be empty")
-        if given in self._store:
-            raise _bad("request_id", f"a stored response already has the id {given[:100]!r}")
+        if (namespace, given) in self._store:
+            raise _bad("request_id", f"a stored response already has the id {given!r}")
         return given
 
     def _keep(self, pending: _Pending, body: dict[str, Any]) -> None:
@@ -759,13 +790,22 @@ class OpenAIResponses:
         if size > self.store_chars // 4:  # would push out most of the store: not kept
             logger.info("response %s not stored: its chain is %d characters", pending.rid, size)
             return
-        if pending.rid in self._store:  # two requests ran under one chosen id: the later stays
-            self._chars -= self._store.pop(pending.rid)[1]
-        self._store[pending.rid] = (items, size)
+        key = (pending.namespace, pending.rid)
+        if key in self._store:  # two requests ran under one chosen id: the later stays
+            self._chars -= self._store.pop(key)[1]
+        self._store[key] = (items, size)
         self._chars += size
         while len(self._store) > self.store_size or self._chars > self.store_chars:
             _, (_, dropped) = self._store.popitem(last=False)
             self._chars -= dropped
+
+
+def _namespace(raw: Request, cache_salt: str | None) -> str:
+    """Whose stored responses a request may continue: those made with the same API key (the
+    bearer token sent) and the same ``cache_salt``. Only a hash of the two is kept."""
+    scheme, _, key = raw.headers.get("authorization", "").partition(" ")
+    key = key.strip() if scheme.lower() == "bearer" else ""
+    return hashlib.sha256(json.dumps([key, cache_salt]).encode()).hexdigest()
 
 
 def add_responses_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,7 +27,8 @@ from tokenmill.params import SamplingParams
 from tokenmill.request import PromptError, RequestOutput
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatMessage,
-                                       CompletionRequest, TokenizeRequest, _SamplingFields,
+                                       CompletionRequest, FieldError, TokenizeRequest,
+                                       _SamplingFields, check_request_id, honour_strict,
                                        printable)
 from tokenmill.server.template_process import IsolatedRenderer
 from tokenmill.structured.spec import ConstraintError, StructuredOutputs, from_request
@@ -36,6 +37,9 @@ from tokenmill.structured.tool_prompt import (ToolsError, check_tools, prepare_t
                                               template_handles_tools)
 from tokenmill.structured.tools import check_tool_choice, tool_choice_constraint
 from tokenmill.tokenizer import ChatTemplateError
+
+if TYPE_CHECKING:
+    from tokenmill.structured.backend import CompiledGrammar
 
 _PARAM_FIELDS = set(SamplingParams.__dataclass_fields__)
 # Template variables the request's own fields set (chat_template_kwargs may not).
@@ -64,6 +68,8 @@ class OpenAIServing:
         self.max_model_len = engine.info.max_model_len
         self.kv_cache_tokens = engine.info.kv_cache_tokens
         self.vocab_size = engine.info.vocab_size
+        # Under any other policy a request's priority would order nothing: refused.
+        self.priorities = engine.engine.scheduler.config.policy == "priority"
         self.limits = (limits or RequestLimits()).resolve(
             self.max_model_len, self.tokenizer.longest_token_chars, self.kv_cache_tokens)
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
@@ -100,6 +106,10 @@ class OpenAIServing:
         items = _completion_items(req.prompt)
         self._check_request(req, len(items), req.max_tokens, "max_tokens", req.logprobs,
                             "logprobs")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo: cannot be combined with logprobs yet (the prompt "
+                           "tokens' logprobs are not computed)", param="echo",
+                           code="unsupported_parameter")
         if req.suffix is not None:
             items = [self._infill(p, req.suffix) for p in items]
         prompts = [await self.prompt(p, "prompt", req.add_special_tokens) for p in items]
@@ -233,8 +243,8 @@ class OpenAIServing:
         calls and results become text in the model family's format.
 
         ``kwargs["chat_template"]`` may name one of the model's templates; a whole template
-        sent by the client is refused unless the operator trusts them, and then renders in a
-        separate process under a time and memory bound."""
+        sent by the client is refused unless the operator trusts them, and then is parsed and
+        rendered only in a sandboxed process (``server/sandbox.py``), never in this one."""
         conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
         self.check_prompt_chars(sum(len(m["content"]) + len(m.get("reasoning", ""))
                                     for m in conversation), "messages")
@@ -250,7 +260,10 @@ class OpenAIServing:
                                param="chat_template", code="invalid_value")
             renderer = self._request_templates.render
         try:
-            native = template_handles_tools(self.tokenizer.template_source(tools, template))
+            if renderer is None:
+                native = template_handles_tools(self.tokenizer.template_source(tools, template))
+            else:  # parsing it folds constants (memory, time): only its sandbox parses it
+                native = await self.off_loop(self._request_templates.handles_tools, template)
             conversation = prepare_tool_messages(conversation, tools, self.tool_parser, native)
             if native and tools:
                 kwargs["tools"] = tools
@@ -277,15 +290,18 @@ class OpenAIServing:
                 raise APIError(400, str(e), param=e.param, code="invalid_value") from None
             await self._compile_spec(spec)
 
-    async def _compile(self, params: SamplingParams) -> None:
+    async def _compile(self, params: SamplingParams) -> CompiledGrammar | None:
         """Compile the request's constraint off the event loop, before anything is queued:
-        one that does not compile is a 400 naming its field (the engine reuses the cache)."""
-        if params.structured_outputs is not None:
-            await self._compile_spec(params.structured_outputs)
+        one that does not compile is a 400 naming its field. The grammar goes to the engine
+        with the request (``_add_all``), so the engine's loop never compiles (a slow schema
+        would stall every stream)."""
+        if params.structured_outputs is None:
+            return None
+        return await self._compile_spec(params.structured_outputs)
 
-    async def _compile_spec(self, spec: StructuredOutputs) -> None:
+    async def _compile_spec(self, spec: StructuredOutputs) -> CompiledGrammar:
         try:
-            await asyncio.to_thread(self.engine.compile_grammar, spec)
+            return await asyncio.to_thread(self.engine.compile_grammar, spec)
         except ConstraintError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         except Exception as e:  # e.g. a tokenizer the grammar backend cannot read
@@ -299,6 +315,7 @@ class OpenAIServing:
     def _check_request(self, req: _SamplingFields, num_prompts: int, max_tokens: int | None,
                        max_tokens_param: str, logprobs: int | None, logprobs_param: str) -> None:
         """The limits a request's fields must keep, before anything is tokenized."""
+        self._check_options(req)
         lim = self.limits
         if req.n > lim.max_n:
             raise APIError(400, f"n: at most {lim.max_n} choices per request (--max-n), got "
@@ -325,6 +342,16 @@ class OpenAIServing:
         if logprobs is not None and logprobs > lim.max_logprobs:
             raise APIError(400, f"{logprobs_param}: at most {lim.max_logprobs} (--max-logprobs),"
                            f" got {logprobs}", param=logprobs_param, code="invalid_value")
+
+    def _check_options(self, req: _SamplingFields) -> None:
+        """Fields that would be ignored where they are sent are refused instead."""
+        if req.priority != 0 and not self.priorities:
+            raise APIError(400, f"priority: this server schedules first come, first served; "
+                           f"start it with --scheduling-policy priority to order requests "
+                           f"(got {req.priority})", param="priority", code="invalid_value")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options: only with stream=true", param="stream_options",
+                           code="invalid_value")
 
     def _check_logit_bias(self, bias: dict[str, float] | None) -> None:
         if not bias:
@@ -373,11 +400,12 @@ class OpenAIServing:
         which a client may choose and repeat) with a part of their own, so they never clash."""
         streams: list[RequestStream] = []
         own = uuid.uuid4().hex[:12]
+        grammar = await self._compile(params)  # compiled by the caller already: a cache hit
         try:
             for i, ids in enumerate(prompts):
                 request_id = f"{rid}-{own}" if len(prompts) == 1 else f"{rid}-{own}-{i}"
                 streams.append(await self.engine.add_request(request_id, ids, params, priority,
-                                                             cache_salt))
+                                                             cache_salt, grammar))
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -396,10 +424,19 @@ class OpenAIServing:
 def _given_id(req: CompletionRequest | ChatCompletionRequest, raw: Request) -> str:
     """The id a client chose for its request, as vLLM takes it: the X-Request-Id header, then
     the ``request_id`` field; otherwise a fresh one."""
-    given = raw.headers.get("x-request-id")
+    given = request_id_header(raw)
     if given is None:
         given = req.request_id
     return uuid.uuid4().hex if given is None else given
+
+
+def request_id_header(raw: Request) -> str | None:
+    """The X-Request-Id header, checked as the ``request_id`` field is."""
+    given = raw.headers.get("x-request-id")
+    try:
+        return None if given is None else check_request_id(given, "X-Request-Id")
+    except FieldError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
 
 def _completion_items(prompt: Any) -> list[str | list[int]]:
@@ -433,7 +470,8 @@ def engine_error(e: EngineUnavailableError | RequestFailedError) -> APIError:
 def _constraint(req: _SamplingFields) -> StructuredOutputs | None:
     try:
         return from_request(
-            response_format=req.response_format, structured_outputs=req.structured_outputs,
+            response_format=honour_strict(req.response_format),
+            structured_outputs=req.structured_outputs,
             guided_json=req.guided_json, guided_regex=req.guided_regex,
             guided_choice=req.guided_choice, guided_grammar=req.guided_grammar,
             guided_whitespace_pattern=req.guided_whitespace_pattern)
@@ -636,14 +674,10 @@ class _CompletionFormat:
         p = self.prompts[i]
         return p.text if p.text is not None else self.s.tokenizer.decode(p.ids)
 
-    def _logprobs(self, entries: list, cursor: _ChoiceCursor, echo_ids: list[int] | None) -> dict:
+    def _logprobs(self, entries: list, cursor: _ChoiceCursor) -> dict:
+        """The generated tokens' logprobs (echo is refused with logprobs until the prompt's
+        are computed)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        for token_id in echo_ids or ():
-            tokens.append(self.s.token_text(token_id))
-            token_lps.append(None)
-            tops.append(None)
-            offsets.append(cursor.offset)
-            cursor.offset += len(tokens[-1])
         for e in entries:
             text = self.s.token_text(e.token_id)
             top = {self.s.token_text(t): lp for t, lp in e.top}
@@ -665,7 +699,7 @@ class _CompletionFormat:
             return None
         lp = None
         if self.req.logprobs is not None:
-            lp = self._logprobs(entries, cursor, self.prompts[prompt_index].ids if echo else None)
+            lp = self._logprobs(entries, cursor)
         cursor.started, cursor.text = True, len(c.text)
         cursor.logprobs += len(entries)
         cursor.done = cursor.done or finish is not None

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import llguidance
@@ -110,40 +111,77 @@ class SequenceGrammar:
 
 
 class GrammarBackend:
-    """Compiles constraints against one tokenizer (thread-safe, cached by ``spec.key``)."""
+    """Compiles constraints against one tokenizer (thread-safe, cached by ``spec.key``).
+
+    A cache hit takes no lock: the engine's loop may look one up while a large schema compiles
+    (seconds) in a server thread. A miss compiles in its caller's thread with no lock held, so
+    different constraints compile side by side (llguidance lets go of the GIL); callers of a
+    constraint already compiling wait for that one compile."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]):
         self.vocab_size = vocab_size
         self._tokenizer_json = tokenizer_json
         self._eos = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
+        self._lock = threading.Lock()  # held only to update the dicts below and the stats
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self._compiling: dict[tuple, Future] = {}
         self.stats = GrammarStats()
 
     def _lltokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:  # ~0.5 s, on the first constrained request
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json,
-                                                     n_vocab=self.vocab_size,
-                                                     eos_token=self._eos or None)
-        return self._tokenizer
+        with self._tokenizer_lock:
+            if self._tokenizer is None:  # ~0.5 s, on the first constrained request
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json,
+                                                         n_vocab=self.vocab_size,
+                                                         eos_token=self._eos or None)
+            return self._tokenizer
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """The compiled grammar of ``spec``; raises ``GrammarError`` naming the field."""
         key = spec.key
+        hit = self._cached(key)
+        if hit is not None:
+            return hit
         with self._lock:
-            hit = self._cache.get(key)
+            hit = self._cached(key)
             if hit is not None:
-                self._cache.move_to_end(key)
                 return hit
-            start = time.perf_counter()
+            pending = self._compiling.get(key)
+            if pending is None:
+                pending = self._compiling[key] = Future()
+                mine = True
+            else:
+                mine = False
+        return self._compile_into(spec, pending) if mine else pending.result()
+
+    def _cached(self, key: tuple) -> CompiledGrammar | None:
+        hit = self._cache.get(key)  # each OrderedDict call is atomic under the GIL
+        if hit is not None:
+            try:
+                self._cache.move_to_end(key)
+            except KeyError:  # evicted in between: still a valid grammar
+                pass
+        return hit
+
+    def _compile_into(self, spec: StructuredOutputs, pending: Future) -> CompiledGrammar:
+        start = time.perf_counter()
+        try:
             compiled = CompiledGrammar(spec, self._compile(spec), frozenset(self._eos))
+        except BaseException as e:
+            with self._lock:
+                del self._compiling[spec.key]
+            pending.set_exception(e)
+            raise
+        with self._lock:
             self.stats.num_compiled += 1
             self.stats.compile_seconds += time.perf_counter() - start
-            self._cache[key] = compiled
+            self._cache[spec.key] = compiled
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return compiled
+            del self._compiling[spec.key]
+        pending.set_result(compiled)
+        return compiled
 
     def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         try:

@@ -68,7 +68,9 @@ class StructuredOutputManager:
         return self.backend.stats
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
-        """Thread-safe and cached: the server calls it off the event loop before queueing."""
+        """Thread-safe and cached, a hit without a lock: the server compiles off the event loop
+        and hands the grammar to ``add_request``, so the engine's loop compiles only for the
+        offline API."""
         return self.backend.compile(spec)
 
     def attach(self, sequences: Sequence[Request], compiled: CompiledGrammar) -> None:

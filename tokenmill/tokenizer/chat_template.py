@@ -98,24 +98,32 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-@lru_cache(maxsize=32)
-def template_variables(source: str) -> frozenset[str]:
+def scan_variables(source: str) -> frozenset[str]:
     """The variables a template reads from its context (none for one that does not compile:
-    rendering reports that)."""
+    rendering reports that). Scanning runs jinja's constant folding: ``'a'|center(1000000000)``
+    builds its string right here, so a template a request sends is scanned only in the
+    sandboxed child (``server/template_process.py``), never in the server."""
     try:
         return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
     except jinja2.TemplateSyntaxError:
         return frozenset()
 
 
-@lru_cache(maxsize=32)
-def _compile(source: str) -> jinja2.Template:
+def compile_template(source: str) -> jinja2.Template:
+    """A template ready to render (compiling folds constants too: see ``scan_variables``)."""
     env = _environment()
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         message = f"chat template does not compile: {exc} (line {exc.lineno})"
         raise ChatTemplateError(message) from exc
+
+
+# The model's own templates (a few, used by every chat request) are scanned and compiled once.
+# A request's own template never reaches these caches: the sandboxed child calls the functions
+# above, so no request can keep templates alive here.
+template_variables = lru_cache(maxsize=32)(scan_variables)
+_compile = lru_cache(maxsize=32)(compile_template)
 
 
 def select_template(templates: Mapping[str, str], tools: Sequence[Any] | None,
@@ -136,16 +144,17 @@ def select_template(templates: Mapping[str, str], tools: Sequence[Any] | None,
                             f"{DEFAULT_TEMPLATE_NAME!r}; choose one of {sorted(templates)}")
 
 
-def render_chat(source: str, messages: Sequence[Mapping[str, Any]], *,
+def render_chat(source: str | jinja2.Template, messages: Sequence[Mapping[str, Any]], *,
                 add_generation_prompt: bool, tools: Sequence[Any] | None,
                 variables: Mapping[str, Any], max_chars: int | None = None) -> str:
     """Render one conversation; every template failure becomes a ChatTemplateError, and so does
-    an output longer than ``max_chars`` (checked as the template writes it)."""
+    an output longer than ``max_chars`` (checked as the template writes it). ``source`` is a
+    template's text (compiled once and cached) or what ``compile_template`` returned."""
     if not messages:
         raise ChatTemplateError("cannot apply a chat template to an empty conversation")
     # OpenAI clients send e.g. content=None; templates handle a missing key but print "None".
     chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
-    template = _compile(source)
+    template = _compile(source) if isinstance(source, str) else source
     # transformers always defines `documents` (None by default); `is not none` tests depend on it.
     context = {"documents": None, **variables, "messages": chat,
                "tools": list(tools) if tools is not None else None,
