@@ -4,8 +4,10 @@ server.
     python3 benchmarks/speculative.py grounded [--methods off ngram draft layerskip] [--k 4]
         [--draft-layers L] [--fixed-k] [--tasks N] [--max-tokens 256] [--rounds 3]
         [--dtype auto] [--out FILE]
-    python3 benchmarks/speculative.py serve [--concurrency 1 8 32] [--temperature 0]
-        [--fixed-k] [--rounds 2] [--out FILE]
+    python3 benchmarks/speculative.py serve [--concurrency 64 128] [--temperature 0 1]
+        [--max-num-seqs 32] [--prompts-per-concurrency 1] [--grounded-concurrency 1 2 4 8]
+        [--grounded-per-concurrency 2] [--max-tokens 256] [--fixed-k] [--rounds 1]
+        [--out FILE]
 
 ``grounded``: one request at a time (single stream), greedy, on tasks that copy or lightly edit a
 passage the prompt holds (this repository's own README, docs and source, so the prompts are the
@@ -18,12 +20,28 @@ draft costs as much as the target; ``layerskip`` drafts with the target's first
 ``--draft-layers`` layers.
 
 ``serve``: ``tokenmill serve`` with ``--speculative-method ngram`` against the same server without
-it (both as ``benchmarks/compare.py`` starts tokenmill: ``peers.TokenmillPeer``, 2 GiB of KV cache,
-2,048-token context), each measured by ``tokenmill bench serve`` (random 128/128, EOS ignored) at each concurrency;
-output tok/s and its ratio (on / off), rounds alternating on and off. The default model's greedy
-output on random prompts falls into loops that n-gram lookup predicts; ``--temperature 1`` gives
-text it rarely predicts (the case where speculation must cost nothing), and ``--fixed-k``
-drafts whenever a match exists, as a non-adaptive engine would.
+it (both as ``benchmarks/compare.py`` starts tokenmill: ``peers.TokenmillPeer``, 2 GiB of KV
+cache, 2,048-token context, and ``--max-num-seqs``, default 32), each measured by
+``tokenmill bench serve`` at each concurrency, servers alternating within a round:
+
+- queue rows (``--concurrency``, default 64 and 128, at each ``--temperature``, default 0 and
+  1): random 128/128, EOS ignored, ``--prompts-per-concurrency`` x C requests. With more
+  clients than seats, requests wait in the server's queue (the most seen waiting is recorded,
+  polled from ``/metrics``), and drafts, scheduled before waiting prompts, compete with them
+  for the step's token budget. The default model's greedy continuation of random text falls
+  into loops that n-gram lookup predicts (speculation gains); at temperature 1 it rarely
+  predicts anything (speculation must cost nothing). On / off >= 0.97, and a queue formed.
+- grounded rows (``--grounded-concurrency``, default 1, 2, 4 and 8): the ``grounded`` mode's
+  chat tasks, cycled to ``--grounded-per-concurrency`` x C requests (at least one per task),
+  greedy, up to ``--max-tokens`` each. Speculation must pay here: on / off >= 1.5.
+
+Output tok/s (medians over ``--rounds``), their ratio, and the draft tokens the n-gram server
+verified during the row with their acceptance (``/metrics``); the verdict
+(``tokenmill.bench.verdicts.speculation_verdict``) is printed and sets the exit status (1 on
+a failed row). ``--fixed-k`` drafts whenever a match exists, as a non-adaptive engine would.
+
+Timing (2-core Xeon with AMX, bf16, others' tests running): about 8 minutes with the
+defaults, two server starts included.
 """
 
 from __future__ import annotations
@@ -34,7 +52,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,6 +64,7 @@ from machine import machine  # noqa: E402  (benchmarks/machine.py)
 from peers import TokenmillPeer, start_peer  # noqa: E402  (benchmarks/peers/peers.py)
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.verdicts import speculation_verdict  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
@@ -148,53 +169,148 @@ def run_grounded(args) -> dict:
 
 # ----- serve -----------------------------------------------------------------------------------
 
-def bench(url: str, concurrency: int, num_prompts: int, out_file: str,
-          temperature: float) -> dict:
+def bench(url: str, out_file: Path, concurrency: int, workload: list[str]) -> dict:
+    """One ``tokenmill bench serve`` run; its summary (output_throughput, ...)."""
     subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "serve", "--base-url", url,
-                    "--model", MODEL, "--workload", "random", "--input-len", "128",
-                    "--output-len", "128", "--ignore-eos", "--num-prompts", str(num_prompts),
-                    "--temperature", str(temperature),
-                    "--max-concurrency", str(concurrency), "--result-file", out_file,
-                    "--no-progress"], check=True, stdout=subprocess.DEVNULL)
-    return json.loads(Path(out_file).read_text())
+                    "--model", MODEL, *workload, "--max-concurrency", str(concurrency),
+                    "--result-file", str(out_file), "--no-progress"], check=True,
+                   stdout=subprocess.DEVNULL)
+    return json.loads(out_file.read_text())
+
+
+def queue_workload(concurrency: int, temperature: float, args) -> list[str]:
+    """Random 128/128 (EOS ignored), ``--prompts-per-concurrency`` times C requests."""
+    n = max(1, round(args.prompts_per_concurrency * concurrency))
+    return ["--workload", "random", "--input-len", "128", "--output-len", "128", "--ignore-eos",
+            "--num-prompts", str(n), "--temperature", str(temperature)]
+
+
+def grounded_workload(concurrency: int, args, folder: Path) -> list[str]:
+    """The grounded tasks as chat requests, cycled to ``--grounded-per-concurrency`` times C
+    (at least one of each), greedy, ``--max-tokens`` each, ending where the model ends."""
+    tasks = grounded_tasks()
+    n = max(len(tasks), args.grounded_per_concurrency * concurrency)
+    path = folder / f"grounded-{n}.jsonl"
+    path.write_text("".join(json.dumps({"messages": tasks[i % len(tasks)],
+                                        "output_len": args.max_tokens}) + "\n"
+                            for i in range(n)))
+    return ["--endpoint", "chat", "--workload", "file", "--dataset", str(path),
+            "--temperature", "0"]
+
+
+def gauges(url: str) -> dict[str, float]:
+    """The server's draft and accepted token totals (0 without speculation) and its waiting
+    requests, from ``/metrics``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    names = {"drafts": "spec_decode_num_draft_tokens_total",
+             "accepted": "spec_decode_num_accepted_tokens_total",
+             "waiting": "num_requests_waiting"}
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        for key, name in names.items():
+            if line.startswith(f"tokenmill:{name}"):
+                out[key] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class QueueWatch:
+    """The most requests seen waiting in the server's queue while the block runs (polled)."""
+
+    def __init__(self, url: str, every: float = 0.5) -> None:
+        self.url, self.every, self.peak = url, every, 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._done.wait(self.every):
+            try:
+                self.peak = max(self.peak, gauges(self.url)["waiting"])
+            except OSError:
+                pass
+
+    def __enter__(self) -> QueueWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+Case = tuple[str, int, float]  # workload (queue | grounded), concurrency, temperature
+
+
+def measure(server, case: Case, args, tmp: Path, tag: str) -> dict:
+    """Output tok/s of one case on one server, with the drafts it verified meanwhile and the
+    longest queue seen."""
+    workload, c, temperature = case
+    argv = queue_workload(c, temperature, args) if workload == "queue" \
+        else grounded_workload(c, args, tmp)
+    before = gauges(server.url)
+    with QueueWatch(server.url) as watch:
+        res = bench(server.url, tmp / f"{tag}.json", c, argv)
+    after = gauges(server.url)
+    return {"tok_s": res["output_throughput"], "completed": res["completed"],
+            "drafts": after["drafts"] - before["drafts"],
+            "accepted": after["accepted"] - before["accepted"], "peak_waiting": watch.peak}
+
+
+def serve_row(case: Case, runs: dict[str, list[dict]]) -> dict:
+    off = statistics.median(r["tok_s"] for r in runs["off"])
+    on = statistics.median(r["tok_s"] for r in runs["ngram"])
+    drafts = sum(r["drafts"] for r in runs["ngram"])
+    accepted = sum(r["accepted"] for r in runs["ngram"])
+    return {"workload": case[0], "concurrency": case[1], "temperature": case[2],
+            "off_tok_s": round(off, 1), "ngram_tok_s": round(on, 1), "ratio": round(on / off, 3),
+            "off_runs": [round(r["tok_s"], 1) for r in runs["off"]],
+            "ngram_runs": [round(r["tok_s"], 1) for r in runs["ngram"]],
+            "ngram_draft_tokens": int(drafts),
+            "ngram_acceptance": round(accepted / drafts, 3) if drafts else None,
+            "peak_waiting": max(r["peak_waiting"] for rs in runs.values() for r in rs)}
 
 
 def run_serve(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="tokenmill-spec-"))
+    seats = ("--max-num-seqs", str(args.max_num_seqs))
     ngram = ("--speculative-method", "ngram", "--num-speculative-tokens", str(args.k),
              *(("--no-speculative-adaptive",) if args.fixed_k else ()))
     # the servers compare.py runs for tokenmill (same KV budget and context), one with n-gram
-    peers = {"off": TokenmillPeer("tokenmill", args.dtype),
-             "ngram": TokenmillPeer("tokenmill-ngram", args.dtype, extra=ngram)}
+    peers = {"off": TokenmillPeer("tokenmill", args.dtype, extra=seats),
+             "ngram": TokenmillPeer("tokenmill-ngram", args.dtype, extra=(*seats, *ngram))}
+    cases: list[Case] = [("queue", c, t) for t in args.temperature for c in args.concurrency]
+    cases += [("grounded", c, 0.0) for c in args.grounded_concurrency]
+    runs: dict[Case, dict[str, list[dict]]] = {c: {"off": [], "ngram": []} for c in cases}
     servers = {}
-    results: dict[tuple[str, int], list[float]] = {}
     try:
         for i, (name, peer) in enumerate(peers.items()):
             servers[name] = start_peer(peer, tmp, args.base_port + i, tmp / "logs")
         for r in range(args.rounds):
-            for c in args.concurrency:
+            for case in cases:
                 for name in (("off", "ngram") if r % 2 == 0 else ("ngram", "off")):
-                    res = bench(servers[name].url, c, max(8, 2 * c),
-                                str(tmp / f"{name}-{c}-{r}.json"), args.temperature)
-                    results.setdefault((name, c), []).append(res["output_throughput"])
-                    print(name, c, round(res["output_throughput"], 1), flush=True)
+                    tag = f"{name}-{'-'.join(map(str, case))}-{r}"
+                    got = measure(servers[name], case, args, tmp, tag)
+                    runs[case][name].append(got)
+                    print(name, *case, round(got["tok_s"], 1), flush=True)
     finally:
         for server in servers.values():
             server.stop()
-    rows = []
-    for c in args.concurrency:
-        off = statistics.median(results[("off", c)])
-        on = statistics.median(results[("ngram", c)])
-        rows.append({"concurrency": c, "off_tok_s": round(off, 1), "ngram_tok_s": round(on, 1),
-                     "ratio": round(on / off, 3), "off_runs": results[("off", c)],
-                     "ngram_runs": results[("ngram", c)]})
-        print(json.dumps(rows[-1]), flush=True)
+    rows = [serve_row(case, runs[case]) for case in cases]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    verdict = speculation_verdict(rows)
+    print("verdict:", "PASS" if verdict["passed"] else "FAIL: " + "; ".join(verdict["problems"]))
     return {"mode": "serve", "machine": machine(), "dtype": args.dtype, "k": args.k,
-            "adaptive": not args.fixed_k, "temperature": args.temperature,
-            "workload": "random 128/128, ignore_eos", "rounds": args.rounds, "rows": rows}
+            "adaptive": not args.fixed_k, "max_num_seqs": args.max_num_seqs,
+            "queue_workload": f"random 128/128, ignore_eos, "
+                              f"{args.prompts_per_concurrency:g} x C requests",
+            "grounded_workload": f"{len(grounded_tasks())} chat tasks cycled, greedy, "
+                                 f"max_tokens {args.max_tokens}, "
+                                 f"{args.grounded_per_concurrency} x C requests",
+            "rounds": args.rounds, "rows": rows, "verdict": verdict}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=["grounded", "serve"])
     ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft", "layerskip"])
@@ -205,17 +321,33 @@ def main() -> None:
                          "a method's raw acceptance")
     ap.add_argument("--tasks", type=int, default=None, help="grounded: only the first N tasks")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--temperature", type=float, default=0.0, help="serve: of the requests")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="methods alternate for this many rounds (grounded 3, serve 1)")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[64, 128],
+                    help="serve: concurrencies of the queue rows")
+    ap.add_argument("--max-num-seqs", type=int, default=32,
+                    help="serve: the servers' seats, below the queue rows' concurrency so "
+                         "requests wait")
+    ap.add_argument("--prompts-per-concurrency", type=float, default=1.0,
+                    help="serve: queue rows send this many times C requests")
+    ap.add_argument("--grounded-concurrency", type=int, nargs="*", default=[1, 2, 4, 8],
+                    help="serve: concurrencies of the grounded rows")
+    ap.add_argument("--grounded-per-concurrency", type=int, default=2,
+                    help="serve: grounded rows send this many times C requests (at least "
+                         "one per task)")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0],
+                    help="serve: of the queue rows' requests (a row per temperature)")
     ap.add_argument("--base-port", type=int, default=8100, help="serve: ports from here")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 3 if args.mode == "grounded" else 1
     result = run_grounded(args) if args.mode == "grounded" else run_serve(args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0 if result.get("verdict", {}).get("passed", True) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -44,14 +44,15 @@ def fp32_alone(fp32_llm):
     return [fp32_llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
 
 
-# Fixtures that load the real default model: a test using one is `slow` without saying so (tests
-# that load it in fixtures of their own, or start a server, carry the mark themselves).
-REAL_MODEL_FIXTURES = frozenset({"default_gguf_path", "fp32_llm", "fp32_alone"})
+# Fixtures that load the real default model or start a server, by the names the tests give them:
+# a test using one (directly or through another fixture) is `slow` without saying so; tests that
+# load the model in other ways carry the mark themselves. `pytest -m "not slow"` is the fast loop.
+SLOW_FIXTURES = frozenset({"fp32_llm", "fp32_alone", "llm", "int8_llm", "hf_gguf", "server"})
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 

@@ -29,6 +29,7 @@ def test_generate_bad_model_is_one_clear_line():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow  # the real model
 def test_generate_greedy():
     out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", "--chat",
                           "--prompt", "What is the capital of France?", "--max-tokens", "12",
@@ -43,6 +44,7 @@ def _generated_tokens(stderr: str) -> int:
     return int(re.search(r"^tokenmill: (\d+) tokens in ", stderr, re.M).group(1))
 
 
+@pytest.mark.slow  # the real model
 def test_generate_min_tokens_holds_back_the_end():
     cmd = [sys.executable, "-m", "tokenmill.cli", "generate", "--chat", "--prompt",
            "What is 2 + 2? Answer with the number only.", "--max-tokens", "40",
@@ -65,6 +67,7 @@ def _chat(*args: str) -> pexpect.spawn:
                          encoding="utf-8", timeout=180, dimensions=(40, 120))
 
 
+@pytest.mark.slow  # the real model
 def test_interactive_chat_streams_and_keeps_conversation():
     child = _chat()
     try:
@@ -86,6 +89,7 @@ def test_interactive_chat_streams_and_keeps_conversation():
     assert child.exitstatus == 0
 
 
+@pytest.mark.slow  # the real model
 def test_interactive_chat_ctrl_c_stops_the_reply_not_the_session():
     # --ignore-eos: the reply cannot end on its own before Ctrl-C lands, however slow the test
     # process is to read it

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_server_support import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,6 +25,7 @@ def _peers_module():
     return mod
 
 
+@pytest.mark.slow  # starts servers
 def test_compare_quick_with_tokenmill_only(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(

@@ -171,6 +171,10 @@ def test_without_kernels_the_reference_backend_is_chosen(monkeypatch):
     assert default_backend("cpu") == "torch"
     with pytest.raises(ValueError, match="--attention-backend torch"):
         get_backend("cpu")
+    from tokenmill.attention import has_triton
+
+    assert default_backend("cuda") == ("triton" if has_triton() else "torch")
+    monkeypatch.setattr("tokenmill.attention.has_triton", lambda: False)
     assert default_backend("cuda") == "torch"
 
 

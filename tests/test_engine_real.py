@@ -164,7 +164,7 @@ class KnownDrafts:
         self.k = k
         self.wrong_at = k if wrong_at is None else wrong_at
 
-    def propose(self, requests):
+    def propose(self, requests, waiting_tokens=0):
         drafts = {}
         for r in requests:
             known = self.outputs[tuple(r.prompt_token_ids)]

@@ -10,6 +10,8 @@ from tokenmill.model.loader import load_model
 from tokenmill.runner.batch import Chunk
 from tokenmill.runner.model_runner import ModelRunner
 
+pytestmark = pytest.mark.slow  # the real model
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",

@@ -397,6 +397,7 @@ def test_unknown_quantization_is_refused():
         load_model("smollm2-135m-instruct", quantization="int5")
 
 
+@pytest.mark.slow  # the real model
 def test_default_model_keeps_its_gguf_blocks(default_gguf_path):
     """The default model's Q4_1 layers and Q8_0 table, repacked: the weights equal the float
     model's (which dequantizes the same blocks through the gguf package), q/k rows included."""
@@ -461,6 +462,7 @@ def test_packing_in_bits_refuses_what_it_cannot_hold():
         OPS.pack_f32_quant_weight(odd.qweight, odd.scales, None, 8, 32)
 
 
+@pytest.mark.slow  # the real model
 @needs_f32_gemm
 def test_default_model_in_its_blocks_gives_the_float32_logits(default_gguf_path, monkeypatch):
     """A float32 model keeps the file's Q4_1 / Q8_0 blocks in their bits for the float32 GEMM,
@@ -499,6 +501,7 @@ def test_default_model_in_its_blocks_gives_the_float32_logits(default_gguf_path,
         assert all(torch.equal(g, want) for g in got), fused
 
 
+@pytest.mark.slow  # the real model
 @needs_a8_gemm
 def test_default_model_with_int8_activations_runs_fused_as_eager(default_gguf_path):
     """--quantization auto on a float32 model: every linear packed for the int8-activation

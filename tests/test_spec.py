@@ -13,9 +13,10 @@ import torch
 
 from tests.stats_support import chi_square_p_value
 from tests.test_engine_real import GREEDY, PROMPTS, assert_all_blocks_free
+from tests.test_engine_unit import make_engine, run
 from tokenmill import LLM, SamplingParams, StructuredOutputs
 from tokenmill.request import Request
-from tokenmill.spec import AdaptivePolicy, NgramProposer
+from tokenmill.spec import AdaptivePolicy, NgramProposer, SpeculativeDecoder
 from tokenmill.spec.policy import AcceptanceTracker, LinearCost, StepCost
 
 # ----- n-gram lookup ----------------------------------------------------------------------------
@@ -64,8 +65,9 @@ def test_ngram_propose_reads_requests() -> None:
 
 
 def fitted_policy(per_token: float, fixed: float, drafter: bool = False,
-                  draft_per_token: float = 0.0, draft_fixed: float = 0.0) -> AdaptivePolicy:
-    policy = AdaptivePolicy(max_k=5, drafter=drafter, probe_every=32)
+                  draft_per_token: float = 0.0, draft_fixed: float = 0.0,
+                  token_budget: int | None = None) -> AdaptivePolicy:
+    policy = AdaptivePolicy(max_k=5, drafter=drafter, probe_every=32, token_budget=token_budget)
     for tokens in (1, 4, 16, 64, 2, 32):
         policy.target_cost.add(tokens, fixed + per_token * tokens)
         policy.draft_cost.add(tokens, draft_fixed + draft_per_token * tokens)
@@ -109,7 +111,7 @@ def test_policy_probes_caps_it_would_not_pick() -> None:
     policy = fitted_policy(per_token=0.004, fixed=0.03)
     seqs = [f"s{i}" for i in range(64)]
     accepting(policy, seqs, 0.3)
-    caps = {max(policy.choose(seqs, 64, 64).values(), default=0) for _ in range(6 * 32)}
+    caps = {max(policy.choose(seqs, 64).values(), default=0) for _ in range(6 * 32)}
     assert caps == {0, 1, 2, 3, 4, 5}  # off almost always, each cap now and then
 
 
@@ -132,13 +134,13 @@ def test_acceptance_per_sequence_first_and_per_position_after() -> None:
 def test_policy_drafts_deep_alone_when_extra_tokens_are_cheap() -> None:
     policy = fitted_policy(per_token=0.001, fixed=0.03)
     accepting(policy, ["a"], 0.8)
-    assert policy.choose(["a"], 1, 1) == {"a": 5}
+    assert policy.choose(["a"], 1) == {"a": 5}
 
 
 def test_policy_stops_drafting_when_acceptance_is_poor() -> None:
     policy = fitted_policy(per_token=0.002, fixed=0.03)
     accepting(policy, ["a"], 0.0)
-    assert policy.choose(["a"], 1, 1) == {}
+    assert policy.choose(["a"], 1) == {}
 
 
 def test_policy_turns_off_in_a_large_batch_where_tokens_cost_compute() -> None:
@@ -146,16 +148,16 @@ def test_policy_turns_off_in_a_large_batch_where_tokens_cost_compute() -> None:
     policy = fitted_policy(per_token=0.004, fixed=0.03)
     seqs = [f"s{i}" for i in range(64)]
     accepting(policy, seqs, 0.5)
-    assert policy.choose(seqs, 64, 64) == {}
+    assert policy.choose(seqs, 64) == {}
     # the same acceptance alone, where the forward is weight-bound: worth it
-    assert policy.choose(seqs[:1], 1, 1)
+    assert policy.choose(seqs[:1], 1)
 
 
 def test_policy_drafts_for_the_sequences_that_accept() -> None:
     policy = fitted_policy(per_token=0.001, fixed=0.03)
     accepting(policy, ["good"], 1.0)
     accepting(policy, ["bad"], 0.0)
-    ks = policy.choose(["good", "bad"], 2, 2)
+    ks = policy.choose(["good", "bad"], 2)
     assert ks.get("good", 0) >= 3 and "bad" not in ks
 
 
@@ -164,16 +166,113 @@ def test_policy_pays_for_a_drafter_s_rounds() -> None:
     slow = fitted_policy(per_token=0.001, fixed=0.03, drafter=True, draft_fixed=0.03,
                          draft_per_token=0.001)
     accepting(slow, ["a"], 0.9)
-    assert slow.choose(["a"], 1, 1) == {}
+    assert slow.choose(["a"], 1) == {}
     cheap = fitted_policy(per_token=0.001, fixed=0.03, drafter=True, draft_fixed=0.002,
                           draft_per_token=0.0001)
     accepting(cheap, ["a"], 0.9)
-    assert cheap.choose(["a"], 1, 1) == {"a": 5}
+    assert cheap.choose(["a"], 1) == {"a": 5}
 
 
 def test_policy_limits_and_the_non_adaptive_mode() -> None:
     policy = AdaptivePolicy(max_k=4, drafter=False, adaptive=False)
-    assert policy.choose(["a", "b"], 2, 2, {"a": 2, "b": 9}) == {"a": 2, "b": 4}
+    assert policy.choose(["a", "b"], 2, limits={"a": 2, "b": 9}) == {"a": 2, "b": 4}
+
+
+def test_policy_leaves_waiting_prompts_their_room_in_the_budget() -> None:
+    # cheap extra tokens and good acceptance: alone, a sequence drafts all 5
+    policy = fitted_policy(per_token=0.0005, fixed=0.03, token_budget=64)
+    accepting(policy, ["a"], 0.9)
+    assert policy.choose(["a"], 1) == {"a": 5}
+    # drafts go before waiting prompts: only the room the budget leaves them is drafted
+    assert policy.choose(["a"], 1, waiting_tokens=61) == {"a": 2}
+    assert policy.choose(["a"], 1, waiting_tokens=63) == {}
+    assert policy.choose(["a"], 1, waiting_tokens=500) == {}
+    # nor while the cost is unmeasured, nor in a probe step
+    fresh = AdaptivePolicy(max_k=5, drafter=False, probe_every=1, token_budget=64)
+    assert fresh.choose(["a", "b"], 2) == {"a": 5, "b": 5}
+    assert fresh.choose(["a", "b"], 2, waiting_tokens=57) == {"a": 3, "b": 2}
+    assert fresh.choose(["a", "b"], 2, waiting_tokens=62) == {}
+    for tokens in (1, 2, 3):
+        fresh.target_cost.add(tokens, 0.03)
+    assert all(fresh.choose(["a"], 1, waiting_tokens=63) == {} for _ in range(12))
+
+
+def test_policy_counts_waiting_prompt_tokens_as_work() -> None:
+    # CPU-like cost past a few tokens: 4 ms a token. Alone, 0.9 acceptance pays; beside 200
+    # waiting prompt tokens (a step of 0.83 s for 201 tokens of work, 4.1 ms each) a draft's
+    # 4 ms for at most 0.9 of a token does not, though the budget has room for it.
+    policy = fitted_policy(per_token=0.004, fixed=0.03, token_budget=2048)
+    accepting(policy, ["a"], 0.9)
+    assert policy.choose(["a"], 1)
+    assert policy.choose(["a"], 1, waiting_tokens=200) == {}
+
+
+# ----- the engine with a saturated queue (real scheduler and proposer, fake runner) ------------
+
+PERIOD = 5  # the fake model continues each prompt's cycle: n-gram lookup is always right
+
+
+def cyclic_model(request: Request, drafts_before) -> int:
+    return [*request.all_token_ids, *drafts_before][-PERIOD]
+
+
+def test_waiting_prompt_tokens_are_what_the_free_seats_would_admit() -> None:
+    engine = make_engine(num_blocks=128, budget=50, max_seqs=3, model=cyclic_model)
+    sched = engine.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    prompts = [[10 + 5 * i + k % PERIOD for k in range(20)] for i in range(5)]
+    run(engine, {"cached": (prompts[0], params)})  # its full prompt blocks stay in the cache
+    assert sched.waiting_prompt_tokens() == 0
+    engine.add_request("again", prompts[0], params)  # 16 of 20 tokens cached (4 blocks)
+    engine.add_request("new", prompts[1], params)
+    assert sched.waiting_prompt_tokens() == 4 + 20
+    for i in range(2, 5):
+        engine.add_request(f"r{i}", prompts[i], params)
+    assert sched.waiting_prompt_tokens() == 4 + 20 + 20  # three seats
+    engine.step()  # admits 44 tokens' worth; three requests run, two wait without a seat
+    assert sched.num_running == 3 and sched.waiting_prompt_tokens() == 0
+    small = make_engine(budget=30, max_seqs=3)
+    for i in range(3):
+        small.add_request(f"r{i}", prompts[i], params)
+    assert small.scheduler.waiting_prompt_tokens() == 30  # at most the budget
+
+
+def test_no_draft_pushes_a_waiting_prompt_out_of_the_step() -> None:
+    """A queue whose prompts fill the token budget gets all of it: drafts (always right here,
+    so always worth drafting where they cost no prompt its place) run only in steps that
+    leave no prompt token behind, and outputs are unchanged."""
+    budget, seats = 32, 6
+    requests = {f"r{i}": ([10 + 5 * i + k % PERIOD for k in range(20)],
+                          SamplingParams(temperature=0.0, max_tokens=24)) for i in range(24)}
+    decoder = SpeculativeDecoder(NgramProposer(1, 3), max_k=4, max_num_batched_tokens=budget)
+    # a memory-bound step (20 ms and 0.1 ms a token), instead of the fake runner's clock
+    decoder.observe = lambda chunks, accepted, n, _s: SpeculativeDecoder.observe(
+        decoder, chunks, accepted, n, 0.02 + 1e-4 * n)
+    engine = make_engine(num_blocks=512, budget=budget, max_seqs=seats, proposer=decoder,
+                         model=cyclic_model)
+    steps = {"with drafts": 0, "full, drafts found": 0, "a draft took a prompt's place": 0}
+    lookup = NgramProposer(1, 3)  # what the decoder found, seen from outside
+
+    def check(chunks) -> None:  # after schedule(), before the forward
+        sched = engine.scheduler
+        left_out = any(r.num_computed_tokens < r.num_tokens for r in sched.running) or (
+            len(sched.waiting) > 0 and len(sched.running) < seats)
+        drafted = sum(len(c.draft_token_ids) for c in chunks)
+        steps["a draft took a prompt's place"] += bool(drafted and left_out)
+        steps["with drafts"] += drafted > 0
+        found = lookup.propose(list(sched.running), dict.fromkeys(
+            (r.request_id for r in sched.running if r.num_output_tokens), 4))
+        steps["full, drafts found"] += left_out and any(found.values())
+
+    engine.runner.before_execute = check
+    outputs = run(engine, requests)
+    assert not steps["a draft took a prompt's place"], steps
+    assert steps["with drafts"] >= 8 and steps["full, drafts found"] >= 8, steps
+    plain = run(make_engine(num_blocks=512, budget=budget, max_seqs=seats,
+                            model=cyclic_model), requests)
+    assert {r: o.outputs[0].token_ids for r, o in outputs.items()} == \
+        {r: o.outputs[0].token_ids for r, o in plain.items()}
+    assert decoder.stats().num_accepted_tokens == decoder.stats().num_draft_tokens > 0
 
 
 # ----- the engine with the real model -------------------------------------------------------------
@@ -354,6 +453,7 @@ def exact_next_distributions(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor,
     return p1, p2, p3
 
 
+@pytest.mark.slow  # 256 sequences sampled to a distribution
 def test_sampled_tokens_follow_the_target_with_a_bad_draft(tiny_pair):
     """20,000 samples of a tiny random target drafted by an unrelated random model: the first
     token (sampled at prefill) and the next two (verified drafts by the rejection rule) are

@@ -254,6 +254,7 @@ def test_choice_and_grammar_and_min_tokens(llm):
     assert re.fullmatch(r"answer: [0-9][0-9]?", text)
 
 
+@pytest.mark.slow  # the real model
 def test_preemption_keeps_grammar_state():
     """Too few blocks for the batch: sequences are preempted and recomputed, their grammar
     states stay with their tokens, and the outputs equal an unpreempted run."""

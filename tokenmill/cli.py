@@ -330,6 +330,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # 125 (spinning) -> 192 (docs/performance.md). A user's own setting of either wins.
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ.update(OMP_WAIT_POLICY="ACTIVE", GOMP_SPINCOUNT="200000")
+    # oneDNN keeps two caches per GEMM shape (ideep's and its primitive cache, 1,024 entries of
+    # ~0.3 MiB each by default), and every token count of a step through oneDNN is a shape: a
+    # server's private memory grew +590 MiB over 4 minutes of load and still rose. 256 entries
+    # fill in a few minutes, then stay flat (benchmarks/soak.py). A user's own setting wins.
+    for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):  # read as torch loads
+        os.environ.setdefault(name, "256")
     engine_options(args)  # bad engine flags fail here, before the server is imported
     from tokenmill.server.app import ServerSettings, run_server
 

@@ -213,6 +213,20 @@ class Scheduler:
         """Waiting, preempted, and n > 1 siblings waiting for their prompt to be shared."""
         return len(self._live) - len(self.running)
 
+    def waiting_prompt_tokens(self) -> int:
+        """The prompt tokens the next step could admit from the waiting queue: the uncached
+        tokens of the requests the free seats (``max_num_seqs``) would take, in queue order,
+        at most the token budget. For a proposer, whose drafts are scheduled ahead of them
+        (an estimate: KV room is not checked)."""
+        seats = self.config.max_num_seqs - len(self.running)
+        budget = self.config.max_num_batched_tokens
+        total = 0
+        for request in itertools.islice(self.waiting, max(seats, 0)):
+            total += request.num_tokens - self.block_manager.cached_prefix_len(request)
+            if total >= budget:
+                return budget
+        return total
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=self.num_running, num_waiting=self.num_waiting,

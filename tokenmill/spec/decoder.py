@@ -2,7 +2,8 @@
 drafting model), the adaptive policy that decides how much, and the counters behind the
 ``tokenmill:spec_decode_*`` metrics.
 
-Each step the engine calls ``propose`` with the running sequences (before scheduling), passes
+Each step the engine calls ``propose`` with the running sequences (before scheduling) and the
+prompt tokens the waiting queue would add to the step (the policy leaves them the room), passes
 ``draft_probs`` of the drafts it kept to the runner's verifier, and after the step calls
 ``observe`` with what verification accepted and what the step cost, and ``forget`` with the
 sequences that ended.
@@ -48,7 +49,7 @@ class SpeculativeDecoder:
         self.name = name  # ngram | draft | layerskip
         self.max_k = max_k
         self.policy = AdaptivePolicy(max_k, drafter=isinstance(method, ModelDrafter),
-                                     adaptive=adaptive)
+                                     adaptive=adaptive, token_budget=max_num_batched_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.draft_probs: dict[str, list] = {}  # of the latest proposal (drafting models only)
         self._proposed: dict[str, list[int]] = {}
@@ -56,7 +57,10 @@ class SpeculativeDecoder:
         self._per_position = [0] * max_k
         self._seconds = 0.0
 
-    def propose(self, requests: Sequence[Request]) -> Mapping[str, Sequence[int]]:
+    def propose(self, requests: Sequence[Request],
+                waiting_tokens: int = 0) -> Mapping[str, Sequence[int]]:
+        """Drafts for the running ``requests``, in a step that would also admit
+        ``waiting_tokens`` prompt tokens of waiting requests."""
         start = time.perf_counter()
         self.draft_probs = {}
         remaining = [r.num_tokens - r.num_computed_tokens for r in requests]
@@ -65,11 +69,11 @@ class SpeculativeDecoder:
         if isinstance(self.method, NgramProposer):
             # Lookups cost next to nothing: find what is there, then keep what pays.
             found = self.method.propose(requests, dict.fromkeys(seq_ids, self.max_k))
-            ks = self.policy.choose(list(found), step_tokens, len(requests),
-                                    {s: len(d) for s, d in found.items()})
+            ks = self.policy.choose(list(found), step_tokens, waiting_tokens=waiting_tokens,
+                                    limits={s: len(d) for s, d in found.items()})
             drafts = {s: found[s][:k] for s, k in ks.items()}
         else:
-            ks = self.policy.choose(seq_ids, step_tokens, len(requests))
+            ks = self.policy.choose(seq_ids, step_tokens, waiting_tokens=waiting_tokens)
             proposal = self.method.propose(requests, ks) if ks else None
             drafts = proposal.token_ids if proposal else {}
             self.draft_probs = proposal.probs if proposal else {}

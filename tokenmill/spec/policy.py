@@ -3,16 +3,22 @@ sequence and the measured cost of a step, so speculation runs only where it pays
 
 A sequence gains g_1 + ... + g_k tokens from k drafts, g_j the chance that its first j drafts
 are all accepted (``AcceptanceTracker.gains``). Every draft adds a token to the target's forward
-(and, for a model drafter, to its rounds). The policy picks the drafts that maximise tokens per
-second of the whole step:
+(and, for a model drafter, to its rounds). The policy picks the drafts that maximise the tokens
+per second the step keeps:
 
-    rate(drafts) = (B + sum of the chosen gains)
-                   / (t_target(T0 + #drafts) + t_draft(rounds, #drafts))
+    rate(drafts) = (T + sum of the chosen gains)
+                   / (t_target(T + #drafts) + t_draft(rounds, #drafts))
 
-where B sequences make one token each anyway and T0 is the step's tokens without drafts. Gains
-shrink with j, so the best set for a given number of drafts takes the largest gains; the
-policy tries every number (and, for a drafter, every number of rounds) and keeps the best, which
-is none at all when a large batch makes extra tokens expensive or acceptance is poor.
+where T is the step's tokens without drafts: the running sequences' (one per decode, the rest
+of a prompt in progress) and the prompt tokens of the waiting requests the step would admit
+after them. Every one of those is work the server has to do, an output token or a prompt token
+alike. Drafts are scheduled before any prompt, so a draft past the token budget
+(``token_budget - T``) would push a prompt token out of the step: one token of work for less
+than one expected, which never pays. Drafts only fill the room the budget leaves, and a step
+the waiting queue fills drafts nothing. Gains shrink with j, so the best set for a given number
+of drafts takes the largest gains; the policy tries every number (and, for a drafter, every
+number of rounds) and keeps the best, which is none at all when a large batch makes extra
+tokens expensive or acceptance is poor.
 
 The target's step time is measured per token count (``StepCost``: a running average for every
 count seen, straight lines between them), because its shape is not a line: on a CPU a forward of
@@ -157,58 +163,76 @@ class AcceptanceTracker:
 
 
 class AdaptivePolicy:
-    """Chooses k per sequence (0 to ``max_k``) for one step; see the module docstring."""
+    """Chooses k per sequence (0 to ``max_k``) for one step; see the module docstring.
+    ``token_budget``: the most tokens a step computes (None: no bound)."""
 
     def __init__(self, max_k: int, drafter: bool, adaptive: bool = True,
-                 probe_every: int | None = None) -> None:
+                 probe_every: int | None = None, token_budget: int | None = None) -> None:
         self.max_k = max_k
         self.drafter = drafter  # a model drafts: rounds cost time of their own
         self.adaptive = adaptive
         # A drafter's probe costs its rounds and a catch-up on every token since it last
         # drafted (a few forwards of the draft model): rarer than an n-gram's, which is free.
         self.probe_every = probe_every or (256 if drafter else 32)
+        self.token_budget = math.inf if token_budget is None else token_budget
         self.acceptance = AcceptanceTracker(max_k)
         self.target_cost = StepCost()
         self.draft_cost = LinearCost()
         self._steps = 0
 
-    def choose(self, seq_ids: Sequence[str], num_tokens: int, num_seqs: int,
+    def choose(self, seq_ids: Sequence[str], num_tokens: int, *, waiting_tokens: int = 0,
                limits: Mapping[str, int] | None = None) -> dict[str, int]:
-        """k per sequence of ``seq_ids`` (those that could draft) for a step of ``num_seqs``
-        sequences and ``num_tokens`` tokens without drafts; ``limits`` caps a sequence's k
-        (e.g. the drafts there are)."""
+        """k per sequence of ``seq_ids`` (those that could draft) for a step whose running
+        sequences compute ``num_tokens`` tokens without drafts, with ``waiting_tokens`` prompt
+        tokens of waiting requests to admit after them; ``limits`` caps a sequence's k (e.g.
+        the drafts there are)."""
         caps = np.array([min(self.max_k, limits.get(s, self.max_k)) if limits else self.max_k
                          for s in seq_ids], dtype=np.int64)
         self.acceptance.step(seq_ids)
         self._steps += 1
-        if not self.adaptive or not len(seq_ids):
+        if not self.adaptive:  # a fixed k: every draft there is, wherever it lands
             return {s: int(c) for s, c in zip(seq_ids, caps) if c > 0}
-        if not self.target_cost.fitted:  # nothing to compare yet: draft, and measure
-            return {s: int(c) for s, c in zip(seq_ids, caps) if c > 0}
-        if self._steps % self.probe_every == 0:  # measure a cap the policy may never pick
-            cap = (self._steps // self.probe_every) % (self.max_k + 1)
-            return {s: int(min(c, cap)) for s, c in zip(seq_ids, caps) if min(c, cap) > 0}
+        tokens = min(num_tokens + waiting_tokens, self.token_budget)
+        room = self.token_budget - tokens  # drafts that push no prompt token out of the step
+        if not len(seq_ids) or room <= 0:
+            return {}
         gains = self.acceptance.gains(seq_ids)  # (B, max_k): expected tokens of draft j
         j = np.arange(1, self.max_k + 1)
+        if not self.target_cost.fitted:  # nothing to compare yet: draft, and measure
+            return _take(seq_ids, np.where(j[None, :] > caps[:, None], 0.0, gains), room)
+        if self._steps % self.probe_every == 0:  # measure a cap the policy may never pick
+            cap = np.minimum(caps, (self._steps // self.probe_every) % (self.max_k + 1))
+            return _take(seq_ids, np.where(j[None, :] > cap[:, None], 0.0, gains), room)
         gains[j[None, :] > caps[:, None]] = 0.0
-        base_tokens = float(num_seqs)
-        best_rate = base_tokens / max(self.target_cost(num_tokens), 1e-9)
-        best: tuple[int, float] = (0, math.inf)  # (rounds, smallest gain taken)
+        rounds, num_drafts = self._best(gains, tokens, room)
+        return _take(seq_ids, gains[:, :rounds], num_drafts)
+
+    def _best(self, gains: np.ndarray, tokens: int, room: float) -> tuple[int, int]:
+        """(rounds, drafts) with the most kept tokens per second for a step of ``tokens``
+        tokens without drafts and ``room`` for more; (0, 0) when drafting does not pay."""
+        best_rate = tokens / max(self.target_cost(tokens), 1e-9)
+        best = (0, 0)
         for rounds in range(1, self.max_k + 1) if self.drafter else (self.max_k,):
             g = np.sort(gains[:, :rounds].ravel())[::-1]
-            g = g[g > 0]
+            g = g[g > 0][:int(min(room, g.size))]
             if not len(g):
                 break
             m = np.arange(1, len(g) + 1)
-            cost = self.target_cost(num_tokens + m)
+            cost = self.target_cost(tokens + m)
             if self.drafter:
                 cost = cost + rounds * self.draft_cost.a + m * self.draft_cost.b
-            rate = (base_tokens + np.cumsum(g)) / np.maximum(cost, 1e-9)
+            rate = (tokens + np.cumsum(g)) / np.maximum(cost, 1e-9)
             i = int(rate.argmax())
             if rate[i] > best_rate:
-                best_rate, best = float(rate[i]), (rounds, float(g[i]))
-        rounds, threshold = best
-        if rounds == 0:
-            return {}
-        ks = (gains[:, :rounds] >= threshold).sum(axis=1)
-        return {s: int(k) for s, k in zip(seq_ids, ks) if k > 0}
+                best_rate, best = float(rate[i]), (rounds, i + 1)
+        return best
+
+
+def _take(seq_ids: Sequence[str], gains: np.ndarray, num_drafts: float) -> dict[str, int]:
+    """k per sequence when the ``num_drafts`` largest positive gains are drafted. A sequence's
+    gains shrink with the position (ties: the earlier first), so what it drafts is a prefix."""
+    flat = gains.ravel()
+    top = np.argsort(-flat, kind="stable")[:int(min(num_drafts, flat.size))]
+    top = top[flat[top] > 0]
+    ks = np.bincount(top // max(gains.shape[1], 1), minlength=len(seq_ids))
+    return {s: int(k) for s, k in zip(seq_ids, ks) if k > 0}
