@@ -191,13 +191,15 @@ class LLMEngine:
                                         configure_allocator, configure_threads, cpu_description)
         from tokenmill.runner.kv_cache import bytes_per_block, num_kv_blocks
         from tokenmill.runner.model_runner import ModelRunner
+        from tokenmill.runner.threads import ThreadGovernor
         from tokenmill.spec import build_decoder, load_draft_model, spec_description
         from tokenmill.structured.backend import GrammarBackend
         from tokenmill.structured.manager import StructuredOutputManager
         from tokenmill.tokenizer import load_tokenizer
 
+        threads = 0
         if config.device.startswith("cpu"):
-            configure_threads(config.num_threads)
+            threads = configure_threads(config.num_threads)
             configure_allocator()
         dtype, dtype_reason = choose_dtype(config.device, config.dtype)
         kv_dtype, kv_dtype_reason = choose_kv_cache_dtype(config.device, config.dtype, dtype,
@@ -227,6 +229,8 @@ class LLMEngine:
         cpu_step = "off"
         if torch.device(config.device).type == "cpu":
             cpu_step = "eager: --enforce-eager" if config.enforce_eager else runner.fuse_cpu_step()
+            if config.num_threads is None and threads > 1:  # a count the user set stays fixed
+                runner.governor = ThreadGovernor(threads)
         proposer = build_decoder(config.speculative, draft, num_blocks, cache.block_size,
                                  config.device, config.scheduler.max_num_batched_tokens)
         scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), cache,

@@ -26,6 +26,7 @@ from tokenmill.runner.cpu_step import CpuStep, unsupported
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.kv_cache import allocate_kv_cache
 from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
+from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sched.output import ModelOutput, ScheduledChunk, num_matching_drafts
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ class ModelRunner:
                                            kv_cache_dtype)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        # CPU: fewer forward threads while other processes take the cores (threads.py)
+        self.governor: ThreadGovernor | None = None
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Replay plain decode steps of up to ``max_num_seqs`` sequences from CUDA graphs (the
@@ -95,7 +98,8 @@ class ModelRunner:
         Grammar ``masks``, filled by another thread while the forward runs, are applied to
         their rows before sampling. ``draft_probs``: per sequence, the distribution each draft
         was drawn from (a draft model's), for the rejection rule."""
-        logits = self.forward(chunks)
+        logits = self.governor.run(lambda: self.forward(chunks)) if self.governor \
+            else self.forward(chunks)
         rows = sampling_rows(chunks, draft_probs)
         if masks is not None:
             masks.apply(rows)
