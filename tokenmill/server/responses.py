@@ -689,13 +689,13 @@ class OpenAIResponses:
             prompt = await s.chat_prompt(messages, True, None, tools.chat if parser else None)
             params = s._params(req, req.max_output_tokens, logprobs, [prompt],
                                "max_output_tokens", structured)
-            await s._compile(params)
+            grammar = await s._compile(params)
             # Reasoning items reach no prompt: they are not kept either.
             kept = [i for i in items if not (isinstance(i, dict) and i.get("type") == "reasoning")]
             pending = _Pending(self._new_id(namespace, given_id), s.model_name, req, tools,
                                text_echo, previous + kept, namespace)
             streams = await s._add_all(pending.rid, [prompt.ids], params, req.priority,
-                                       req.cache_salt)
+                                       req.cache_salt, grammar)
         output = _OutputItems(parser, tools.limit,
                               self._logprob(logprobs) if logprobs is not None else None)
         return pending, output, streams

@@ -115,10 +115,10 @@ class OpenAIServing:
         prompts = [await self.prompt(p, "prompt", req.add_special_tokens) for p in items]
         logprobs = req.logprobs
         params = self._params(req, req.max_tokens, logprobs, prompts, structured=_constraint(req))
-        await self._compile(params)
+        grammar = await self._compile(params)
         rid = f"cmpl-{_given_id(req, raw)}"
         streams = await self._add_all(rid, [p.ids for p in prompts], params, req.priority,
-                                      req.cache_salt)
+                                      req.cache_salt, grammar)
         out = _CompletionFormat(self, rid, req, prompts)
         if req.stream:
             return _sse(out.chunks(_merge(streams)), streams)
@@ -197,9 +197,10 @@ class OpenAIServing:
             else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = self._params(req, max_tokens, logprobs, [prompt], param, structured)
-        await self._compile(params)
+        grammar = await self._compile(params)
         rid = f"chatcmpl-{_given_id(req, raw)}"
-        streams = await self._add_all(rid, [prompt.ids], params, req.priority, req.cache_salt)
+        streams = await self._add_all(rid, [prompt.ids], params, req.priority, req.cache_salt,
+                                      grammar)
         out = _ChatFormat(self, rid, req, self.tool_parser if tool_mode != "none" else None)
         if req.stream:
             return _sse(out.chunks(_merge(streams)), streams)
@@ -395,12 +396,13 @@ class OpenAIServing:
                            else None, code="invalid_value") from None
 
     async def _add_all(self, rid: str, prompts: list[list[int]], params: SamplingParams,
-                       priority: int, cache_salt: str | None = None) -> list[RequestStream]:
-        """Queue one engine request per prompt. Their ids extend ``rid`` (the response's id,
-        which a client may choose and repeat) with a part of their own, so they never clash."""
+                       priority: int, cache_salt: str | None = None,
+                       grammar: CompiledGrammar | None = None) -> list[RequestStream]:
+        """Queue one engine request per prompt, with ``params``' constraint compiled already
+        (``grammar``, from ``_compile``). Their ids extend ``rid`` (the response's id, which a
+        client may choose and repeat) with a part of their own, so they never clash."""
         streams: list[RequestStream] = []
         own = uuid.uuid4().hex[:12]
-        grammar = await self._compile(params)  # compiled by the caller already: a cache hit
         try:
             for i, ids in enumerate(prompts):
                 request_id = f"{rid}-{own}" if len(prompts) == 1 else f"{rid}-{own}-{i}"
