@@ -1,6 +1,9 @@
 """Attention backends timed on the default model's shapes (9 query heads, 3 KV heads, head_dim 64):
 decode batches at several context lengths, a shared-prefix decode batch (cascade), and prompt
-chunks. One layer per call; per-step cost is ~30x (the model's layers).
+chunks. One layer per call; per-step cost is ~30x (the model's layers). A call stores the new
+K/V and attends: on the cpu backend the kernels store_kv and paged_attention (the shared prefix
+merged in a second pass), on the torch backend the reference they replace
+(tokenmill/kernels/ladder.py).
 
     python3 benchmarks/attention_speed.py [--dtype float32|bfloat16] [--backends torch,cpu]
                                           [--kv-cache-dtype auto|int8|bfloat16] [--layers 30]

@@ -1,30 +1,67 @@
-"""The CPU matmul questions behind ``Linear.pack_for_cpu`` and ``SMALL_M_ROWS``: time the
-projections of one decode step of a model shape with ``F.linear``, with oneDNN on prepacked
-weights and with the CPU kernels' ``linear_f32_packed`` (fp32), and in bf16 with ``F.linear``, the CPU kernels' ``linear_bf16_rows`` and their
-``linear_bf16_packed`` on weights packed for vdpbf16ps (where the CPU has AVX512-BF16).
+"""The timing rung of the linear kernel ladder (``tokenmill/model/linear/``): the projections
+of one decode step of a model shape through each kernel the plan may pick, against ``Dense``
+(``F.linear``, the reference they replace; their tests: tests/test_linear_kernels.py).
 
-    python3 benchmarks/linear_kernels.py                    # SmolLM2-135M shapes, 1/8/32 rows
+    python3 benchmarks/linear_kernels.py                    # SmolLM2-135M shapes
 
-Random fp32 weights of the model's shapes (fused qkv, o, fused gate/up, down per layer, then
-lm_head); prints milliseconds per step for each number of input rows (= sequences in a step).
+float32: ``Dense``, ``OneDnn`` (oneDNN's prepacked weights) and ``F32Packed`` (the CPU kernels'
+GEMM); bf16 (where the CPU has AVX512-BF16): ``Dense``, ``Bf16Rows`` (a few rows, on the plain
+weight; ``SMALL_M_ROWS``) and ``Bf16Packed``. Random weights of the model's shapes (fused qkv,
+o, fused gate/up, down per layer, then lm_head); prints milliseconds per step for each number of
+input rows (= sequences in a step).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+
+from tokenmill.kernels import cpu
+from tokenmill.model.linear.dense import Bf16Rows, Dense, OneDnn
+from tokenmill.model.linear.packed import Bf16Packed, F32Packed
 
 
-def step_ms(fn, weights, rows: int, reps: int) -> float:
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=weights[0].dtype) for w in weights}
-    fn(xs)  # warm-up
+def step_ms(kernels: list, rows: int, reps: int, dtype: torch.dtype) -> float:
+    """Milliseconds for one pass of ``rows`` rows through every kernel (nan if one is None)."""
+    if not kernels or any(k is None for k in kernels):
+        return float("nan")
+    widths = {k.in_features for k in kernels}
+    xs = {w: torch.randn(rows, w).to(dtype) for w in widths}
+    run = lambda: [k(xs[k.in_features]) for k in kernels]  # noqa: E731
+    run()  # warm-up
     start = time.perf_counter()
     for _ in range(reps):
-        fn(xs)
+        run()
     return (time.perf_counter() - start) / reps * 1000
+
+
+def built(build: Callable, weights: list[torch.Tensor]) -> list:
+    """``build(weight)`` for each weight, tagged with its input width (None where it refuses)."""
+    out = []
+    for w in weights:
+        k = build(w)
+        if k is not None:
+            k.in_features = w.shape[1]
+        out.append(k)
+    return out
+
+
+def table(title: str, ladder: dict[str, list], rows: list[int], reps: int,
+          dtype: torch.dtype) -> None:
+    print(f"{title}\nrows  " + "  ".join(f"{name:>14}" for name in ladder))
+    for n in rows:
+        print(f"{n:4}  " + "  ".join(f"{step_ms(ks, n, reps, dtype):14.1f}"
+                                      for ks in ladder.values()))
+
+
+def shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    h, hd = args.hidden, args.hidden // args.heads
+    layer = [(h + 2 * args.kv_heads * hd, h), (h, h), (2 * args.intermediate, h),
+             (h, args.intermediate)]
+    return layer * args.layers + [(args.vocab, h)]
 
 
 def main() -> None:
@@ -39,65 +76,24 @@ def main() -> None:
     ap.add_argument("--bf16-rows", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    h, hd = args.hidden, args.hidden // args.heads
-    shapes = [(h + 2 * args.kv_heads * hd, h), (h, h), (2 * args.intermediate, h),
-              (h, args.intermediate)]
     torch.manual_seed(0)
-    dense = [torch.randn(n, k) for _ in range(args.layers) for n, k in shapes]
-    dense.append(torch.randn(args.vocab, h))
-    packed = [w.to_mkldnn() for w in dense]
-
-    def run_dense(xs):
-        for w in dense:
-            F.linear(xs[w.shape[1]], w)
-
-    def run_onednn(xs):
-        for w in packed:
-            torch.ops.mkldnn._linear_pointwise(xs[w.size(1)], w, None, "none", [], "")
-
-    print(f"{len(dense)} projections, {sum(w.numel() for w in dense) * 4 / 1e6:.0f} MB fp32, "
-          f"{torch.get_num_threads()} threads")
-    from tokenmill.kernels import cpu
-
     ops = cpu.load()
-    cols = getattr(ops, "f32_pack_cols", 0) if ops is not None else 0
-    ours = [ops.pack_f32_weight(w) for w in dense] if cols else []
-
-    def run_ours(xs):
-        for w, p in zip(dense, ours):
-            ops.linear_f32_packed(xs[w.shape[1]], p, None)
-
-    print("rows  F.linear (ms)  oneDNN prepacked (ms)  linear_f32_packed (ms)")
-    for rows in (int(r) for r in args.rows.split(",")):
-        ours_ms = step_ms(run_ours, dense, rows, args.reps) if ours else float("nan")
-        print(f"{rows:4}  {step_ms(run_dense, dense, rows, args.reps):13.1f}  "
-              f"{step_ms(run_onednn, dense, rows, args.reps):21.1f}  {ours_ms:22.1f}")
-    ours = []  # free the packed copies (the closure above is done with them)
+    weights = [torch.randn(n, k) for n, k in shapes(args)]
+    print(f"{len(weights)} projections, {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB "
+          f"fp32, {torch.get_num_threads()} threads")
+    table("float32 (ms per step)", {
+        "Dense": built(lambda w: Dense(w, None), weights),
+        "OneDnn": built(lambda w: OneDnn.build(w, None), weights),
+        "F32Packed": built(lambda w: F32Packed.build(w, None, ops), weights),
+    }, [int(r) for r in args.rows.split(",")], args.reps, torch.float32)
     if ops is None or not ops.has_bf16_dot:
         return
-    bf16 = [w.bfloat16() for w in dense]
-    dense = packed = []  # free the fp32 weights before the bf16 ones are timed
-
-    def run_bf16(xs):
-        for w in bf16:
-            F.linear(xs[w.shape[1]], w)
-
-    def run_rows(xs):
-        for w in bf16:
-            ops.linear_bf16_rows(xs[w.shape[1]], w, None)
-
-    vnni = [ops.pack_bf16_weight(w) for w in bf16] if ops.has_bf16_gemm else []
-
-    def run_packed(xs):
-        for w, p in zip(bf16, vnni):
-            ops.linear_bf16_packed(xs[w.shape[1]], p, None)
-
-    print("rows  bf16 F.linear (ms)  linear_bf16_rows (ms)  linear_bf16_packed (ms)")
-    for rows in (int(r) for r in args.bf16_rows.split(",")):
-        few = step_ms(run_rows, bf16, rows, args.reps) if rows <= 16 else float("nan")
-        packed_ms = step_ms(run_packed, bf16, rows, args.reps) if vnni else float("nan")
-        print(f"{rows:4}  {step_ms(run_bf16, bf16, rows, args.reps):18.1f}  {few:21.1f}  "
-              f"{packed_ms:23.1f}")
+    weights = [w.bfloat16() for w in weights]
+    table("bfloat16 (ms per step; Bf16Rows past SMALL_M_ROWS is F.linear)", {
+        "Dense": built(lambda w: Dense(w, None), weights),
+        "Bf16Rows": built(lambda w: Bf16Rows(w, None, ops), weights),
+        "Bf16Packed": built(lambda w: Bf16Packed.build(w, None, ops), weights),
+    }, [int(r) for r in args.bf16_rows.split(",")], args.reps, torch.bfloat16)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 576 output layer), so they stream from memory as in a real step. Prints ms per step for: bf16
 through oneDNN, the bf16 rows kernel (<= 8 rows), int8 and int4 from the bytes (weights only),
 int8 and int4 with int8 activations (AVX512-VNNI), and int4 dequantized + GEMM (the path above
-quant.DENSE_ROWS).
+model/linear/quantized.py: DENSE_ROWS).
 """
 
 from __future__ import annotations

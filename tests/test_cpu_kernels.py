@@ -1,9 +1,11 @@
-"""The compiled CPU kernels' fused layer steps against the PyTorch code they replace (bfloat16
-and float16, where they are used), and the kernels' build and fallback."""
+"""The compiled CPU kernels against the PyTorch code they replace -- the layer steps, store_kv and
+the bf16 / float32 GEMMs (the rungs of tokenmill/kernels/ladder.py whose tests live here) -- and
+the kernels' build and fallback."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import cpu as cpu_kernels
-from tokenmill.model.layers import RMSNorm, RotaryEmbedding, apply_rope, silu_and_mul
 from tokenmill.config import RopeScaling
+from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from tokenmill.model.linear.activation import silu_and_mul
+from tokenmill.model.linear.dense import Bf16Rows
+from tokenmill.model.linear.packed import Bf16Packed, Bf16PackedSilu, F32Packed
 
 ops = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the kernels fall back")
@@ -84,6 +89,44 @@ def test_rope_in_place_matches_torch_on_strided_rows(dtype):
     assert torch.equal(qkv[:, 12 * 64:], v_before)  # V untouched
 
 
+def test_float32_rope_rounds_as_the_eager_ops():
+    """The fused float32 step rotates with rope_, whose multiplies, subtraction and addition
+    round as the eager path's separate PyTorch ops do: the same bits, on strided rows."""
+    g = torch.Generator().manual_seed(7)
+    cos_sin = RotaryEmbedding(64, 512, 10000.0, RopeScaling())(
+        torch.randint(0, 512, (17,), generator=g))
+    qkv = torch.randn(17, (9 + 3 + 3) * 64, generator=g)
+    view = qkv[:, :12 * 64].view(17, 12, 64)
+    want = apply_rope(view, cos_sin)  # float32: PyTorch's ops (the layers keep them there)
+    ops.rope_(view, cos_sin[0].squeeze(1), cos_sin[1].squeeze(1))
+    assert torch.equal(view, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_kv_holds_the_references_values(dtype):
+    """store_kv writes new K/V at their slots in the kernel's layout (K transposed per block
+    and head, V as the reference keeps it), from strided rows (the k and v of a fused
+    projection): read back, the reference backend's cache, bit for bit. (An int8 cache and a
+    bfloat16 one under float32: test_kv_quant.py.)"""
+    from tokenmill.attention import get_backend
+
+    g = torch.Generator().manual_seed(6)
+    blocks, block_size, heads, head_dim, tokens = 6, 16, 3, 64, 50
+    kv = torch.randn(tokens, 8 + 2 * heads * head_dim, generator=g).to(dtype)[:, 8:]
+    k = kv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    v = kv[:, heads * head_dim:].view(tokens, heads, head_dim)
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
+    caches = {}
+    for name in ("torch", "cpu"):
+        caches[name] = tuple(torch.zeros(blocks, block_size, heads, head_dim, dtype=dtype)
+                             for _ in range(2))
+        get_backend(name).store_kv(k, v, caches[name], slots)
+    (ref_k, ref_v), (cpu_k, cpu_v) = caches["torch"], caches["cpu"]
+    assert torch.equal(cpu_v, ref_v)
+    # (blocks, heads, head_dim, block_size) per block -> the reference's token-major rows
+    assert torch.equal(cpu_k.view(blocks, heads, head_dim, block_size).permute(0, 3, 1, 2), ref_k)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_torch(dtype):
     g = torch.Generator().manual_seed(3)
@@ -94,35 +137,26 @@ def test_silu_and_mul_matches_torch(dtype):
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 130])
 def test_gate_up_with_silu_in_the_epilogue_is_the_two_step_result(rows):
-    """A gate/up layer whose blocks are interleaved (Linear.gate_in_epilogue) gives
+    """A gate/up weight packed with its blocks interleaved (Bf16PackedSilu) gives
     silu_and_mul(gate_up(x)) bit for bit, for row counts across the kernel's row tiles and
     scratch chunks; a bias, or halves that split a column block, keep the two steps."""
     if not getattr(ops, "has_bf16_gemm", False):
         pytest.skip("the packed bf16 GEMM needs AVX512-BF16")
-    from tokenmill.model.layers import Linear
-
     g = torch.Generator().manual_seed(5)
     inter, hidden = 96, 72
-    layer = Linear(hidden, 2 * inter)
-    layer.weight.data = (torch.randn(2 * inter, hidden, generator=g) / 8).to(torch.bfloat16)
-    layer.cpu_ops = ops
-    assert layer.pack_for_cpu(keep_dense=False, ops=ops)
+    weight = (torch.randn(2 * inter, hidden, generator=g) / 8).to(torch.bfloat16)
     x = (torch.randn(rows, hidden, generator=g) * 2).to(torch.bfloat16)
-    want = silu_and_mul(layer(x), ops)
-    assert layer.gate_in_epilogue() and layer.gated
-    got = layer(x)
+    want = silu_and_mul(Bf16Packed.build(weight, None, ops)(x), ops)
+    fused = Bf16PackedSilu.build(weight, None, ops)
+    assert fused is not None and fused.applies_silu
+    got = fused(x)
     assert got.shape == (rows, inter) and torch.equal(got, want)
 
-    odd = Linear(hidden, 2 * 40)  # 40 gate rows: the halves meet inside a block of 16
-    odd.weight.data = torch.randn(80, hidden, generator=g).to(torch.bfloat16)
-    odd.cpu_ops = ops
-    assert odd.pack_for_cpu(keep_dense=False, ops=ops) and not odd.gate_in_epilogue()
-    biased = Linear(hidden, 2 * inter, bias=True)
-    biased.weight.data = torch.randn(2 * inter, hidden, generator=g).to(torch.bfloat16)
-    biased.bias.data = torch.randn(2 * inter, generator=g).to(torch.bfloat16)
-    biased.cpu_ops = ops
-    assert biased.pack_for_cpu(keep_dense=False, ops=ops) and not biased.gate_in_epilogue()
-    assert not odd.gated and not biased.gated
+    odd = torch.randn(2 * 40, hidden, generator=g).to(torch.bfloat16)  # halves meet in a block
+    assert Bf16Packed.build(odd, None, ops) is not None
+    assert Bf16PackedSilu.build(odd, None, ops) is None
+    bias = torch.randn(2 * inter, generator=g).to(torch.bfloat16)
+    assert Bf16PackedSilu.build(weight, bias, ops) is None
 
 
 def test_float32_keeps_torch_ops():
@@ -141,6 +175,27 @@ def test_build_is_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     assert not cpu_kernels.is_built()
+
+
+def test_editing_any_file_of_csrc_is_another_build(tmp_path, monkeypatch):
+    """The headers are compiled into cpu_ops.cpp, so the build folder's name hashes every file
+    of csrc/, its path and its content: an edited, renamed or added file is another build."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, csrc)
+    monkeypatch.setattr(cpu_kernels, "CSRC", csrc)
+    inputs = cpu_kernels.build_inputs()
+    key = cpu_kernels.build_key(inputs)
+    header = sorted(csrc.glob("*.h"))[0]
+    text = header.read_text()
+    header.write_text(text + "\n")
+    assert cpu_kernels.build_key(inputs) != key
+    header.write_text(text)
+    assert cpu_kernels.build_key(inputs) == key
+    header.rename(header.with_name("renamed.h"))
+    assert cpu_kernels.build_key(inputs) != key
+    header.with_name("renamed.h").rename(header)
+    (csrc / "notes.txt").write_text("")
+    assert cpu_kernels.build_key(inputs) != key
 
 
 def test_each_environment_keeps_its_own_build():
@@ -182,14 +237,14 @@ def test_without_kernels_the_reference_backend_is_chosen(monkeypatch):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_for_few_rows_matches_float_reference(rows, bias):
-    from tokenmill.model.layers import Linear
-
     g = torch.Generator().manual_seed(4)
     layer = Linear(600, 36, bias=bias)  # K not a multiple of 32: the masked tail
     layer.weight.data = torch.randn(36, 600, generator=g).bfloat16()
     if bias:
         layer.bias.data = torch.randn(36, generator=g).bfloat16()
-    layer.cpu_ops = ops
+    kernel = Bf16Rows.build(layer.weight, layer.bias, ops)
+    assert kernel is not None
+    layer.use_kernel(kernel, keep_weight=True)
     x = torch.randn(rows, 600, generator=g).bfloat16()
     got = layer(x)
     want = F.linear(x.float(), layer.weight.float(), None if not bias else layer.bias.float())
@@ -206,17 +261,16 @@ def test_bf16_linear_for_few_rows_matches_float_reference(rows, bias):
 def test_packed_bf16_linear_matches_float_reference(rows, n, k, bias):
     """The vdpbf16ps kernel on a packed weight (any row count, an odd block of 16 features,
     an odd K whose last input pairs with a packed zero), through Linear once packed."""
-    from tokenmill.model.layers import Linear
-
     g = torch.Generator().manual_seed(rows * 7 + n)
     layer = Linear(k, n, bias=bias)
     layer.weight.data = torch.randn(n, k, generator=g).bfloat16()
     if bias:
         layer.bias.data = torch.randn(n, generator=g).bfloat16()
     w = layer.weight.detach().clone()
-    layer.cpu_ops = ops
-    assert layer.pack_for_cpu(keep_dense=False, ops=ops)
-    assert layer.weight is None and layer.packed_bf16.shape == (n // 16, (k + 1) // 2, 16, 2)
+    kernel = Bf16Packed.build(layer.weight, layer.bias, ops)
+    assert kernel is not None and kernel.packed.shape == (n // 16, (k + 1) // 2, 16, 2)
+    layer.use_kernel(kernel)
+    assert layer.weight is None
     x = torch.randn(rows, k, generator=g).bfloat16()
     got = layer(x)
     want = F.linear(x.float(), w.float(), None if not bias else layer.bias.float())
@@ -235,8 +289,6 @@ def test_packed_bf16_linear_matches_float_reference(rows, n, k, bias):
 def test_packed_f32_linear_matches_float64_reference(rows, n, k, bias):
     """The float32 kernel on a packed weight: every row count (whole tiles and the rest), a
     last column block without a partner, through Linear once packed; strided and 3-D input."""
-    from tokenmill.model.layers import Linear
-
     g = torch.Generator().manual_seed(rows * 5 + n)
     layer = Linear(k, n, bias=bias)
     layer.weight.data = torch.randn(n, k, generator=g)
@@ -244,10 +296,11 @@ def test_packed_f32_linear_matches_float64_reference(rows, n, k, bias):
         layer.bias.data = torch.randn(n, generator=g)
     w = layer.weight.detach().clone()
     b = None if not bias else layer.bias.detach().double()
-    layer.cpu_ops = ops
-    assert layer.pack_for_cpu(keep_dense=False, ops=ops)
     cols = ops.f32_pack_cols
-    assert layer.weight is None and layer.packed_f32.shape == (n // cols, k, cols)
+    kernel = F32Packed.build(layer.weight, layer.bias, ops)
+    assert kernel is not None and kernel.packed.shape == (n // cols, k, cols)
+    layer.use_kernel(kernel)
+    assert layer.weight is None
     x = torch.randn(rows, k, generator=g)
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
@@ -296,9 +349,6 @@ def test_float32_rms_norm_rounds_as_pytorch_does(rows, n):
 @pytest.mark.skipif(ops is None or not getattr(ops, "has_bf16_gemm", False),
                     reason="needs AVX512-BF16")
 def test_packing_needs_whole_blocks_of_16_features():
-    from tokenmill.model.layers import Linear
-
-    layer = Linear(64, 36)  # 36 features: the plain weight stays (linear_bf16_rows, oneDNN)
-    layer.weight.data = torch.randn(36, 64).bfloat16()
-    assert not layer.pack_for_cpu(keep_dense=False, ops=ops)
-    assert layer.weight is not None and layer.packed_bf16 is None
+    weight = torch.randn(36, 64).bfloat16()  # 36 features: the plain weight's kernels take it
+    assert Bf16Packed.build(weight, None, ops) is None
+    assert Bf16Rows.build(weight, None, ops) is not None

@@ -16,6 +16,8 @@ from tests.tiny_models import COMMON, make_hf_model, save_hf_model, write_word_t
 from tokenmill import LLM
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model.layers import Linear
+from tokenmill.model.linear import routed
+from tokenmill.model.linear.routed import OneDnnRouted
 from tokenmill.model.loader import load_model
 from tokenmill.runner.batch import Chunk, build_flat_batch
 from tokenmill.runner.model_runner import ModelRunner
@@ -45,6 +47,12 @@ def model_dirs(tmp_path_factory):
 def make_runner(path: str, dtype: str, kv_cache_dtype: str = "auto") -> ModelRunner:
     return ModelRunner(load_model(path, "cpu", dtype=dtype), num_blocks=64,
                        block_size=BLOCK, kv_cache_dtype=kv_cache_dtype)
+
+
+def packed_weight(m: Linear) -> torch.Tensor | None:
+    """The weight the fused step multiplies for ``m`` (its kernel's packed tensor), or None."""
+    step = m.kernel.step_weight()
+    return None if step is None else step.packed
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -99,6 +107,32 @@ def test_fused_step_generates_what_the_eager_path_does(model_dirs, dtype):
     assert out_f == out_e and all(len(t) == 24 for t in out_f)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_early_exit_runs_the_first_layers_fused_as_eagerly(model_dirs, dtype):
+    """``num_layers``: the first layers, then the final norm and lm_head (layer-skip drafting),
+    from the caches of those layers only; the fused step takes the same limit and gives the
+    eager path's logits bit for bit, and all layers is the plain forward."""
+    eager, fused = (make_runner(model_dirs["llama"], dtype) for _ in range(2))
+    assert fused.fuse_cpu_step().split(";")[0] == "fused"
+    total = COMMON["num_hidden_layers"]
+    chunks = [Chunk(ids(20, 1), 0, [1, 2]), Chunk(ids(7, 2), 0, [3])]
+    batch = build_flat_batch(chunks, BLOCK, "cpu", all_logits=True)
+    logits = {}
+    with torch.inference_mode():
+        for name, runner in (("eager", eager), ("fused", fused)):
+            for n in (1, total, None):
+                caches = runner.kv_caches[:n or total]
+                logits[name, n] = runner.model(batch.input_ids, batch.positions, caches,
+                                               batch.meta, batch.logits_indices, num_layers=n)
+        with pytest.raises(ValueError, match="layers"):
+            eager.model(batch.input_ids, batch.positions, eager.kv_caches, batch.meta,
+                        num_layers=total + 1)
+    for n in (1, total, None):
+        assert torch.equal(logits["eager", n], logits["fused", n]), n
+    assert torch.equal(logits["eager", total], logits["eager", None])
+    assert not torch.equal(logits["eager", 1], logits["eager", None])
+
+
 def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
     """Qwen3's per-head q/k norms, float16, quantized linears, and bf16 on a CPU without the
     bf16 GEMM keep the layer-by-layer path (and say why)."""
@@ -114,7 +148,8 @@ def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
                                     if stack else kernels_reason)
     # int8 weights packed for the float32 GEMM (for int8 activations where the kernels have
     # them, else in their bits) fuse; left as they are, they run layer by layer
-    packed = all(m.packed_f32 is not None and m.packed_f32.dtype in (torch.uint8, torch.int8)
+    packed = all(packed_weight(m) is not None
+                 and packed_weight(m).dtype in (torch.uint8, torch.int8)
                  for m in int8.model.modules() if isinstance(m, Linear))
     assert packed == (ops is not None and ops.f32_pack_cols > 0)
     assert int8.fuse_cpu_step() == (
@@ -136,10 +171,10 @@ def test_models_the_fused_step_does_not_take_run_eagerly(model_dirs):
         assert logits.shape == (1, 96) and torch.isfinite(logits).all()
 
 
-# ----- batches through oneDNN where it measured faster (model/loader.py, ONEDNN_TRIAL) ---------
+# ----- batches through oneDNN where it measured faster (model/linear/routed.py) ----------------
 
 def test_dense_rows_from_takes_the_rows_where_onednn_stays_ahead():
-    from tokenmill.model.layers import dense_rows_from
+    from tokenmill.model.linear.routed import dense_rows_from
 
     # (packed seconds, oneDNN seconds) per rows
     assert dense_rows_from({128: (1.0, 2.0), 256: (4.0, 2.0), 512: (8.0, 4.0)}) == 256
@@ -159,26 +194,27 @@ def test_batches_run_through_onednn_from_the_rows_chosen(model_dirs, monkeypatch
     times both kernels on real layers; from the rows chosen, a batch's linears multiply on the
     dense weights through oneDNN, in the fused step as layer by layer, and below them on the
     packed ones."""
-    from tokenmill.model import loader
-    from tokenmill.model.layers import ONEDNN_TRIAL_ROWS
+    from tokenmill.model.linear import plan as linear_plan
+    from tokenmill.model.linear.routed import ONEDNN_TRIAL_ROWS
 
     seen = []
-    monkeypatch.setattr(loader, "ONEDNN_TRIAL", "always")
-    monkeypatch.setattr(loader, "dense_rows_from", lambda t: seen.append(t) or 16)
-    routed = make_runner(model_dirs["llama"], "float32")
+    monkeypatch.setattr(linear_plan, "ONEDNN_TRIAL", "always")
+    monkeypatch.setattr(routed, "dense_rows_from", lambda t: seen.append(t) or 16)
+    routed_runner = make_runner(model_dirs["llama"], "float32")
     eager_routed = make_runner(model_dirs["llama"], "float32")  # not fused: layer by layer
     assert len(seen) == 2  # one trial per load
     timings = seen[0]
     assert tuple(timings) == ONEDNN_TRIAL_ROWS
     assert all(packed > 0 and dense > 0 for packed, dense in timings.values())
-    linears = [m for m in routed.model.modules() if isinstance(m, Linear)]
-    assert all(m.dense_from_rows == 16 and m.weight is not None and m.packed_f32 is not None
+    linears = [m for m in routed_runner.model.modules() if isinstance(m, Linear)]
+    assert all(isinstance(m.kernel, OneDnnRouted) and m.kernel.from_rows == 16
+               and m.weight is not None and m.kernel.packed.family == "f32-packed"
                for m in linears)
-    assert routed.fuse_cpu_step() == "fused; linears through oneDNN from 16 rows"
-    monkeypatch.setattr(loader, "ONEDNN_TRIAL", "never")
+    assert routed_runner.fuse_cpu_step() == "fused; linears through oneDNN from 16 rows"
+    monkeypatch.setattr(linear_plan, "ONEDNN_TRIAL", "never")
     plain = make_runner(model_dirs["llama"], "float32")
     assert plain.fuse_cpu_step() == "fused"
-    assert all(m.dense_from_rows is None and m.weight is None
+    assert all(not isinstance(m.kernel, OneDnnRouted) and m.weight is None
                for m in plain.model.modules() if isinstance(m, Linear))
     dense_calls = []
     linear = torch.nn.functional.linear
@@ -190,7 +226,7 @@ def test_batches_run_through_onednn_from_the_rows_chosen(model_dirs, monkeypatch
     for chunks in (small, large):
         want = plain.forward(chunks, all_logits=True)
         assert dense_calls == []
-        got[len(chunks[0].token_ids)] = out = routed.forward(chunks, all_logits=True)
+        got[len(chunks[0].token_ids)] = out = routed_runner.forward(chunks, all_logits=True)
         # the fused step calls oneDNN from C++: only the output layer is a Python F.linear
         assert dense_calls == ([] if chunks is small else [31])
         assert torch.isfinite(out).all()
@@ -205,37 +241,37 @@ def test_batches_run_through_onednn_from_the_rows_chosen(model_dirs, monkeypatch
         dense_calls.clear()
     # the fused step reads the packed weights below the rows and never from them
     for m in linears:
-        m.packed_f32.zero_()
-    assert torch.equal(routed.forward(large, all_logits=True), got[30])
-    assert not torch.equal(routed.forward(small, all_logits=True), got[9])
+        packed_weight(m).zero_()
+    assert torch.equal(routed_runner.forward(large, all_logits=True), got[30])
+    assert not torch.equal(routed_runner.forward(small, all_logits=True), got[9])
 
 
 @pytest.mark.skipif(not FUSED["float32"], reason="the CPU kernels' float32 GEMM is not built")
 def test_a_linear_without_a_dense_weight_stays_packed_in_a_routed_batch(model_dirs, monkeypatch):
     """Each linear decides for itself, as on the eager path: one that kept no dense weight (a
     weight kept in 4 or 8 bits has none) multiplies on its packed weight in a routed batch."""
-    from tokenmill.model import loader
+    from tokenmill.model.linear import plan as linear_plan
 
-    monkeypatch.setattr(loader, "ONEDNN_TRIAL", "always")
-    monkeypatch.setattr(loader, "dense_rows_from", lambda t: 16)
+    monkeypatch.setattr(linear_plan, "ONEDNN_TRIAL", "always")
+    monkeypatch.setattr(routed, "dense_rows_from", lambda t: 16)
     fused, eager = (make_runner(model_dirs["llama"], "float32") for _ in range(2))
     for runner in (fused, eager):
         down = runner.model.model.layers[1].mlp.down_proj
-        down.weight, down.dense_from_rows = None, None
+        down.use_kernel(down.kernel.packed)  # the packed kernel alone, no dense weight
     assert fused.fuse_cpu_step() == "fused; linears through oneDNN from 16 rows"
     large = [Chunk(ids(30, 3), 0, [3, 4]), Chunk([7], 9, [1])]
     got = fused.forward(large, all_logits=True)
     assert torch.equal(got, eager.forward(large, all_logits=True))
-    fused.model.model.layers[1].mlp.down_proj.packed_f32.zero_()  # read: the output changes
+    packed_weight(fused.model.model.layers[1].mlp.down_proj).zero_()  # read: output changes
     assert not torch.equal(fused.forward(large, all_logits=True), got)
 
 
 @pytest.mark.skipif(not FUSED["float32"], reason="the CPU kernels' float32 GEMM is not built")
 def test_a_trial_that_keeps_the_packed_gemm_drops_the_dense_weights(model_dirs, monkeypatch):
-    from tokenmill.model import loader
+    from tokenmill.model.linear import plan as linear_plan
 
-    monkeypatch.setattr(loader, "ONEDNN_TRIAL", "always")
-    monkeypatch.setattr(loader, "dense_rows_from", lambda t: None)
+    monkeypatch.setattr(linear_plan, "ONEDNN_TRIAL", "always")
+    monkeypatch.setattr(routed, "dense_rows_from", lambda t: None)
     for arch in ("llama", "smollm2"):  # smollm2 ties its output layer to the embeddings
         runner = make_runner(model_dirs[arch], "float32")
         assert runner.fuse_cpu_step() == "fused"
@@ -245,5 +281,5 @@ def test_a_trial_that_keeps_the_packed_gemm_drops_the_dense_weights(model_dirs, 
         assert tied == (arch == "smollm2")
         for m in model.modules():
             if isinstance(m, Linear):
-                assert m.dense_from_rows is None
+                assert not isinstance(m.kernel, OneDnnRouted)
                 assert (m.weight is not None) == (m is model.lm_head and tied)

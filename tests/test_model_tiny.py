@@ -124,12 +124,13 @@ def test_cpu_linear_layers_packed(pair, device):
     kernel_packed = 0
     for name, layer in module.named_modules():
         if isinstance(layer, Linear):
-            if layer.packed_f32 is not None:
-                assert cols and layer.packed_f32.shape[2] == cols and layer.packed is None, name
+            kernel = layer.kernel
+            if kernel.family == "f32-packed":
+                assert cols and kernel.packed.shape[2] == cols, name
                 kernel_packed += 1
             else:  # oneDNN only where the kernels cannot take the weight
-                assert layer.packed is not None and layer.packed.is_mkldnn, name
-                assert not cols or layer.packed.size(0) % cols, name
+                assert kernel.family == "onednn" and kernel.packed.is_mkldnn, name
+                assert not cols or kernel.packed.size(0) % cols, name
             if layer.weight is not None:  # only the lm_head tied to the embedding keeps it
                 assert name == "lm_head" and layer.weight is embed
     assert kernel_packed == (0 if not cols else 4 * len(module.model.layers) + 1)  # sizes of 16

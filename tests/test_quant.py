@@ -11,6 +11,8 @@ from tests.tiny_models import make_hf_model, write_tiny_gguf
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model import quant as Q
 from tokenmill.model.layers import Linear
+from tokenmill.model.linear import plan as linear_plan
+from tokenmill.model.linear.quantized import DENSE_ROWS, Fp8, QuantBytes
 from tokenmill.model.loader import load_model
 from tokenmill.runner.batch import Chunk
 from tokenmill.runner.model_runner import ModelRunner
@@ -102,7 +104,7 @@ def test_kernel_dequantization_is_bit_exact(n, k, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, Q.DENSE_ROWS, Q.DENSE_ROWS + 1, 100])
+@pytest.mark.parametrize("rows", [1, DENSE_ROWS, DENSE_ROWS + 1, 100])
 def test_quant_linear_paths_agree(rows):
     """Kernel from the bytes (few rows), dequantize + GEMM (many rows) and the PyTorch
     fallback without kernels: one result."""
@@ -110,7 +112,7 @@ def test_quant_linear_paths_agree(rows):
     x = torch.randn(rows, 96)
     ref = x @ Q.dequantize(qw).T
     for ops in (OPS, None):
-        assert torch.allclose(Q.quant_linear(x, qw, None, ops), ref, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(QuantBytes(qw, None, ops)(x), ref, atol=1e-5, rtol=1e-5)
 
 
 needs_int8_dot = pytest.mark.skipif(OPS is None or not OPS.has_int8_dot,
@@ -126,7 +128,7 @@ def int8_activation_product(qw: Q.QuantWeight, rows: int):
     x = torch.randn(rows, k)
     x[0, :7] = 0.0
     bias = torch.randn(n)
-    y = Q.quant_linear(x, qw, bias, OPS)
+    y = QuantBytes(qw, bias, OPS)(x)
     sx = (x.abs().amax(1, keepdim=True) / 127).clamp_min(1e-30)
     xq = torch.round(x / sx).clamp(-127, 127) * sx
     ref = xq.double() @ Q.dequantize(qw).double().T + bias.double()
@@ -235,7 +237,7 @@ def test_int8_activations_without_their_kernels_run_weights_only():
     qw = Q.quantize_int4(weights(64, 96))
     Q.use_int8_activations(qw)
     x = torch.randn(3, 96)
-    got = Q.quant_linear(x, qw, None, OPS)
+    got = QuantBytes(qw, None, OPS)(x)
     if OPS.has_int8_dot:  # the VNNI kernel: x rounded to int8
         assert not torch.allclose(got, x @ Q.dequantize(qw).T, atol=1e-6, rtol=1e-6)
     else:
@@ -277,18 +279,24 @@ def test_concat_rows_joins_one_format_only():
 
 # ---- whole models ------------------------------------------------------------------------
 
+def _f32_packed(m: Linear) -> torch.dtype | None:
+    """The dtype of the layer's weight packed for float32's GEMM, or None (another kernel)."""
+    step = m.kernel.step_weight()
+    return step.packed.dtype if step is not None and step.gemm == "f32" else None
+
+
 def _packed_in_bits(m: Linear) -> bool:
-    return m.packed_f32 is not None and m.packed_f32.dtype == torch.uint8
+    return _f32_packed(m) == torch.uint8
 
 
 def _packed_a8(m: Linear) -> bool:
     """Packed for float32's GEMM with int8 activations (pack_a8_weight)."""
-    return m.packed_f32 is not None and m.packed_f32.dtype == torch.int8
+    return _f32_packed(m) == torch.int8
 
 
-def _kind(m: Linear) -> str | None:
-    """The layer's quantized format, kept as it is or packed in its bits."""
-    return m.quant.kind if m.quant is not None else m.packed_kind
+def _kind(m: Linear) -> str:
+    """The layer's weight format: kept as it is, packed in its bits, or a float dtype."""
+    return m.kernel.weight_format
 
 
 def _logits(loaded, ids: list[int]) -> torch.Tensor:
@@ -300,9 +308,7 @@ def _logits(loaded, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("arch", ["llama", "smollm2"])  # q/k rows permuted; tied embedding
 def test_quantized_gguf_model_runs_from_its_blocks(tmp_path, qtype, arch, monkeypatch):
-    from tokenmill.model import loader
-
-    monkeypatch.setattr(loader, "INT8_ACTIVATIONS", False)  # weights only: products stay exact
+    monkeypatch.setattr(linear_plan, "INT8_ACTIVATIONS", False)  # weights only: exact products
     hf = make_hf_model(arch)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(hf, path, arch if arch == "llama" else "llama", qtype)
@@ -311,20 +317,22 @@ def test_quantized_gguf_model_runs_from_its_blocks(tmp_path, qtype, arch, monkey
     kept = load_model(str(path), "cpu", "float32", "auto", "auto")
     linears = [m for m in kept.model.modules() if isinstance(m, Linear)]
     # every layer in its blocks: as they are, or packed in their bits for the float32 GEMM
-    assert all(m.weight is None and (m.quant is not None) != _packed_in_bits(m) for m in linears)
+    assert all(m.weight is None and isinstance(m.kernel, QuantBytes) != _packed_in_bits(m)
+               for m in linears)
     assert any(_packed_in_bits(m) for m in linears) == (OPS is not None and OPS.f32_pack_cols > 0)
     assert kept.quantization.startswith(qtype.lower())
     if arch == "smollm2":  # tied: the embedding is looked up from the output layer's blocks
         head = kept.model.lm_head
         assert kept.model.model.embed_tokens.quant is not None
-        assert head.quant is None or kept.model.model.embed_tokens.quant is head.quant
+        assert not isinstance(head.kernel, QuantBytes) \
+            or kept.model.model.embed_tokens.quant is head.kernel.qw
     # same weights, so the same logits (float32, up to the order of the sums)
     assert torch.allclose(_logits(kept, ids), _logits(dense, ids), atol=2e-4, rtol=1e-4)
     if OPS is not None and (OPS.has_int8_dot or OPS.a8_pack_cols):
-        monkeypatch.setattr(loader, "INT8_ACTIVATIONS", True)  # close, not exact
+        monkeypatch.setattr(linear_plan, "INT8_ACTIVATIONS", True)  # close, not exact
         a8 = load_model(str(path), "cpu", "float32", "auto", "auto")
         head = a8.model.lm_head  # packed for float32's int8-activation GEMM, or the VNNI kernel's
-        assert _packed_a8(head) if OPS.a8_pack_cols else head.quant.int8_activations
+        assert head.kernel.int8_activations and (_packed_a8(head) or not OPS.a8_pack_cols)
         ref = _logits(dense, ids)
         assert 0 < (_logits(a8, ids) - ref).abs().max() < 0.05 * ref.abs().max()
 
@@ -359,7 +367,7 @@ def test_fp8_linear_within_the_format_bound(n, k, rows):
     tiny = qw.scales * 2 ** -10
     assert ((back - w).abs() <= torch.maximum(w.abs() * 2 ** -4, tiny) * (1 + 1e-6)).all()
     bias = torch.randn(n, generator=gen)
-    got = Q.quant_linear(x, qw, bias, None)
+    got = Fp8(qw, bias)(x)
     want = x.double() @ w.double().T + bias.double()
     # |error| <= sum_j |x_j| |w_j| ((1 + 2^-4)^2 - 1) + the subnormal floors
     bound = (x.abs().double() @ w.abs().double().T) * ((1 + 2 ** -4) ** 2 - 1) + 1e-3
@@ -374,10 +382,10 @@ def test_fp8_model_quantizes_every_layer_but_the_output(tmp_path):
     ids = [3, 17, 42, 5, 88, 1, 60, 29, 11]
     dense = _logits(load_model(str(path), "cpu", "float32", "auto", "none"), ids)
     loaded = load_model(str(path), "cpu", "float32", "auto", "fp8")
-    assert loaded.model.lm_head.quant is None
+    assert not isinstance(loaded.model.lm_head.kernel, Fp8)
     layers = [m for m in loaded.model.modules() if isinstance(m, Linear)
               and m is not loaded.model.lm_head]
-    assert layers and all(m.quant.kind == "fp8" for m in layers)
+    assert layers and all(isinstance(m.kernel, Fp8) for m in layers)
     assert loaded.quantization == f"fp8 x{len(layers)}"
     rel = (_logits(loaded, ids) - dense).abs().max() / dense.abs().max()
     assert 0 < rel < 0.2
@@ -389,7 +397,7 @@ def test_auto_leaves_float_checkpoints_alone(tmp_path):
     path = save_hf_model(make_hf_model("llama"), tmp_path / "hf")
     loaded = load_model(str(path), "cpu", "float32", "auto", "auto")
     assert loaded.quantization == "none"
-    assert all(m.quant is None for m in loaded.model.modules() if isinstance(m, Linear))
+    assert all(_kind(m) == "float32" for m in loaded.model.modules() if isinstance(m, Linear))
 
 
 def test_unknown_quantization_is_refused():
@@ -407,12 +415,14 @@ def test_default_model_keeps_its_gguf_blocks(default_gguf_path):
     assert kept.quantization.startswith("q4_1 x120, q8_0 x1")
     for (name, m), m_dense in zip(kept.model.named_modules(), dense.model.modules()):
         if isinstance(m, Linear):
-            w = Q.dequantize(m.quant)
-            ref = m_dense.weight if m_dense.weight is not None else m_dense.packed.to_dense()
+            qw = m.kernel.qw  # PyTorch's attention: the kernels multiplying from the bytes
+            w = Q.dequantize(qw)
+            ref = m_dense.weight if m_dense.weight is not None else \
+                m_dense.kernel.packed.to_dense()  # oneDNN's prepacked weight
             assert torch.equal(w, ref), name
             # the file's own size per weight: Q4_1 20 bytes per 32, Q8_0 34
-            per_block = 20 if m.quant.kind == "q4_1" else 34
-            assert m.quant.nbytes() == w.numel() // 32 * per_block
+            per_block = 20 if qw.kind == "q4_1" else 34
+            assert qw.nbytes() == w.numel() // 32 * per_block
 
 
 needs_f32_gemm = pytest.mark.skipif(OPS is None or not OPS.f32_pack_cols,
@@ -469,12 +479,10 @@ def test_default_model_in_its_blocks_gives_the_float32_logits(default_gguf_path,
     unquantized ("none", the default) and with --quantization auto (its int8 activations off)
     alike, and gives the float32 weights' logits bit for bit, eager and fused, on prompts of 1
     to 40 tokens and a batch of decode rows."""
-    from tokenmill.model import loader
-
     kept = load_model(str(default_gguf_path), "cpu", "float32", "auto", "none")
-    monkeypatch.setattr(loader, "INT8_ACTIVATIONS", False)  # auto, weights only
+    monkeypatch.setattr(linear_plan, "INT8_ACTIVATIONS", False)  # auto, weights only
     auto = load_model(str(default_gguf_path), "cpu", "float32", "auto", "auto")
-    monkeypatch.setattr(loader, "FLOAT32_IN_BITS", False)
+    monkeypatch.setattr(linear_plan, "FLOAT32_IN_BITS", False)
     dense = load_model(str(default_gguf_path), "cpu", "float32", "auto", "none")
     assert dense.quantization == "none"
     assert kept.quantization == "none (float32 from q4_1 x120, q8_0 x1 kept in their bits)"
@@ -482,7 +490,7 @@ def test_default_model_in_its_blocks_gives_the_float32_logits(default_gguf_path,
     for m in (kept, auto):
         linears = [x for x in m.model.modules() if isinstance(x, Linear)]
         assert linears and all(_packed_in_bits(x) for x in linears)
-    assert all(x.packed_f32.dtype == torch.float32 for x in dense.model.modules()
+    assert all(_f32_packed(x) == torch.float32 for x in dense.model.modules()
                if isinstance(x, Linear))
     runners = [ModelRunner(m, num_blocks=64, block_size=16) for m in (dense, kept, auto)]
     gen = torch.Generator().manual_seed(0)

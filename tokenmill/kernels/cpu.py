@@ -1,11 +1,15 @@
-"""tokenmill's C++ CPU kernels (``csrc/cpu_ops.cpp``), compiled for the machine they run on.
+"""tokenmill's C++ CPU kernels, compiled for the machine they run on. ``csrc/`` holds a header per
+kernel family, each compiling alone, and ``cpu_ops.cpp``, the one translation unit that binds
+them; ``ladder.py`` lists every kernel with the PyTorch code it replaces, its test and its
+benchmark (``python -m tokenmill.kernels.ladder``).
 
 They are built with ``torch.utils.cpp_extension`` and ``-march=native`` into a cache folder whose
-name hashes the source, the torch installation, the compiler and the CPU's instruction sets, so a
-build never runs on a CPU it was not made for (development machines change from day to day),
-each environment on a machine keeps its own, and a restart loads it in a fraction of a second. ``scripts/setup.sh`` builds them
-(``python3 -m tokenmill.kernels.cpu``); a server that finds no build compiles once at start-up,
-and without a compiler every caller falls back to the PyTorch reference path.
+name hashes every file in ``csrc/``, the torch installation, the compiler and the CPU's
+instruction sets, so a build never runs on a CPU it was not made for (development machines
+change from day to day), each environment on a machine keeps its own, and a restart loads it in
+a fraction of a second. ``scripts/setup.sh`` builds them (``python3 -m tokenmill.kernels.cpu``);
+a server that finds no build compiles once at start-up, and without a compiler every caller
+falls back to the PyTorch reference path.
 
     TOKENMILL_CACHE_DIR   where builds live (default ~/.cache/tokenmill)
 """
@@ -57,8 +61,15 @@ def build_inputs() -> list[str]:
 
 
 def build_key(inputs: list[str]) -> str:
-    sources = [p.read_text() for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h")]
-    return hashlib.sha256("\n".join([*sources, *inputs]).encode()).hexdigest()[:16]
+    """A hash of ``inputs`` and of every file in ``csrc/``, its path there and its bytes: the
+    headers are compiled into the one translation unit, so editing, adding or renaming any of
+    them is another build."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in CSRC.rglob("*") if p.is_file()):
+        data = path.read_bytes()  # after its path and length: no two trees hash alike
+        digest.update(f"{path.relative_to(CSRC).as_posix()}\0{len(data)}\0".encode() + data)
+    digest.update("\n".join(inputs).encode())
+    return digest.hexdigest()[:16]
 
 
 def is_built() -> bool:

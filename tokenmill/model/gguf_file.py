@@ -40,13 +40,30 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+# The reader last opened: a load-time plan reads the config (make_plan), then the loader reads
+# the weights, from one parse (GGUFReader indexes the whole file: seconds for a 50k vocabulary).
+# The engine's build drops it once the weights are in (release_gguf).
+_OPEN: dict[tuple[str, float], object] = {}
+
+
 def open_gguf(path: Path):
     import gguf
 
+    key = (str(path), Path(path).stat().st_mtime)
+    if key in _OPEN:
+        return _OPEN[key]
     try:
-        return gguf.GGUFReader(str(path))
+        reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises assorted errors on truncated/corrupt files
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+    _OPEN.clear()
+    _OPEN[key] = reader
+    return reader
+
+
+def release_gguf() -> None:
+    """Forget the reader ``open_gguf`` keeps (its per-element views cost tens of MB)."""
+    _OPEN.clear()
 
 
 def field(reader, key: str, default=None):

@@ -59,14 +59,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.cpu_ops = None  # set by the loader when the CPU kernels are in use
 
-    def fuse_activation(self) -> bool:
-        """SiLU·mul into the gate/up GEMM's epilogue where the CPU kernels can (bf16)."""
-        return self.gate_up_proj.gate_in_epilogue()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj.gated:
-            return self.down_proj(self.gate_up_proj(x))
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.cpu_ops))
+        h = self.gate_up_proj(x)
+        if not self.gate_up_proj.kernel.applies_silu:  # else done in the GEMM's epilogue
+            h = silu_and_mul(h, self.cpu_ops)
+        return self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -100,18 +97,33 @@ class LlamaModel(nn.Module):
         # it returns None for a batch it does not take, which then runs layer by layer
         self.fused_layers = None
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states after the first ``num_layers`` decoder layers (all: None) and the
+        final norm; ``kv_caches`` holds at least those layers' caches."""
+        n = self.layer_count(num_layers, kv_caches)
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
-        fused = None if self.fused_layers is None else self.fused_layers(h, rope, kv_caches, meta)
+        fused = None if self.fused_layers is None else \
+            self.fused_layers(h, rope, kv_caches, meta, n)
         if fused is not None:
             h, residual = fused
         else:
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
+            for layer, kv_cache in zip(self.layers, kv_caches[:n]):
                 h, residual = layer(rope, h, residual, kv_cache, meta)
         h, _ = self.norm(h, residual)
         return h
+
+    def layer_count(self, num_layers: int | None, kv_caches: list[KVCache]) -> int:
+        """The layers a forward runs: ``num_layers`` of them (an early exit) or all."""
+        total = len(self.layers)
+        n = total if num_layers is None else num_layers
+        if not 1 <= n <= total or len(kv_caches) < n:
+            raise ValueError(f"a forward through {n} of {total} layers with "
+                             f"{len(kv_caches)} KV caches")
+        return n
 
 
 class LlamaForCausalLM(nn.Module):
@@ -121,13 +133,16 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, backend)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.share_weight(self.model.embed_tokens.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``(len(logits_indices), vocab)`` for the chosen rows of the flat batch only."""
-        h = self.model(input_ids, positions, kv_caches, meta)  # (num_tokens, hidden)
+                logits_indices: torch.Tensor | None = None, *,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Logits ``(len(logits_indices), vocab)`` for the chosen rows of the flat batch only.
+        ``num_layers``: run only the first that many decoder layers, then the final norm and
+        lm_head (early exit: layer-skip drafting); ``kv_caches`` may then hold just theirs."""
+        h = self.model(input_ids, positions, kv_caches, meta, num_layers)  # (num_tokens, hidden)
         if logits_indices is not None:
             h = h[logits_indices]
         return self.lm_head(h).float()

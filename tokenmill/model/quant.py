@@ -16,7 +16,8 @@ A 4-bit row keeps each 32 weights in 16 bytes, weight j in the low nibble of byt
 j + 16 in its high nibble -- the order of GGUF's Q4 blocks, so a GGUF tensor's quantized bytes
 are copied, not re-quantized, and its float16 scales are kept exactly. The compiled CPU kernel
 (``kernels/csrc/quant_ops.h``) multiplies from these bytes; elsewhere (no compiler, a GPU) the
-weight is dequantized here with PyTorch ops.
+weight is dequantized here with PyTorch ops. The kernels that multiply each format are in
+``model/linear/`` (``QuantBytes``, ``F32Packed``, ``Fp8``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 QUANTIZATIONS = ("none", "auto", "int8", "int4", "fp8")
 FP8_MAX = 448.0  # the largest finite float8 e4m3
@@ -34,13 +34,6 @@ INT4_GROUP = 32  # input features per scale and offset (GGUF's block)
 # int8's scales per 32 inputs (as Q8_0): perplexity of the default model +0.84% with one scale
 # per output feature, -0.4% (noise) with these (docs/performance.md)
 INT8_GROUP = 32
-
-# Rows of input above which a quantized layer is dequantized into the compute dtype and run
-# through PyTorch's GEMM (prefill, large batches), rather than multiplied from the quantized
-# bytes. For the default model's layers on 2 Zen 4 cores (int4 with int8 activations, a step's
-# 120 layers) the two are even at 16 rows (49 / 47 ms) and the GEMM ahead from 24 (77 / 48 ms;
-# benchmarks/quant_linear.py).
-DENSE_ROWS = 16
 
 
 @dataclass
@@ -214,38 +207,16 @@ def concat_rows(parts: Sequence[QuantWeight]) -> QuantWeight | None:
                        "+".join(kinds))
 
 
-def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None,
-                 ops) -> torch.Tensor:
-    """``x @ W.T + bias`` for a quantized W: from the quantized bytes with the CPU kernels at
-    up to ``DENSE_ROWS`` rows, else through a dequantized copy in x's dtype (fp8: always
-    ``fp8_linear``)."""
-    if qw.kind == "fp8":
-        return fp8_linear(x, qw, bias)
-    if ops is not None and x.device.type == "cpu":
-        if qw.int8_activations and ops.has_int8_dot and x.shape[0] <= DENSE_ROWS:
-            if qw.bits == 4:
-                return ops.quant_linear_w4a8(x, qw.qweight, qw.scales, qw.zeros, bias)
-            return ops.quant_linear_w8a8(x, qw.qweight, qw.scales, qw.act_offsets, bias)
-        if x.shape[0] <= DENSE_ROWS:
-            return ops.quant_linear(x, qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size,
-                                    bias)
-        w = ops.quant_dequantize(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size,
-                                 x.dtype)
-    else:
-        w = dequantize(qw, x.dtype)
-    return F.linear(x, w, bias)
-
-
 def takes_int8_activations(qw: QuantWeight) -> bool:
     """Whether the int8-activation kernels take this format: groups of 32, float16 scales."""
     return qw.group_size == 32 and qw.scales.dtype == torch.float16
 
 
 def use_int8_activations(qw: QuantWeight) -> None:
-    """Multiply this weight (int8 or int4 in groups of 32 with float16 scales: int8, int4,
-    Q8_0, Q4_0, Q4_1) with rows of x quantized to int8 on the fly (dynamic per-token scales;
-    the CPU kernels' VNNI ones where ``has_int8_dot``, float32's packed GEMM where
-    ``a8_pack_cols``)."""
+    """Prepare this weight (int8 or int4 in groups of 32 with float16 scales: int8, int4,
+    Q8_0, Q4_0, Q4_1) for rows of x quantized to int8 on the fly (dynamic per-token scales) by
+    the CPU kernels' VNNI ones (``QuantBytes`` where ``has_int8_dot``): an 8-bit weight's
+    per-row offsets."""
     if not takes_int8_activations(qw):
         raise ValueError("int8 activations need weights in groups of 32 with float16 scales")
     qw.int8_activations = True

@@ -8,7 +8,10 @@ the GIL released throughout. The kernels and their order are the eager path's (i
 PyTorch ops too), so the results are the same, bit for bit; the embeddings, RoPE table lookup,
 final norm, lm_head and sampling stay in Python. Any batch works (decode, prompt chunks, cached
 prefixes, shared-prefix cascades), so unlike a graph nothing is captured per batch size and
-there is no start-up cost. ``--enforce-eager`` keeps the Python path.
+there is no start-up cost. ``--enforce-eager`` keeps the Python path. Each linear's kernel
+(``model/linear/``) hands over what the C++ step multiplies it with (``StepWeight``), filled
+into the kernels' named ``LayerWeights``; ``num_layers`` runs only the first layers, as the
+eager model does for layer-skip drafting.
 """
 
 from __future__ import annotations
@@ -16,6 +19,19 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention.cpu_paged import CASCADE_TILE, TILE, CpuPagedBackend
+from tokenmill.model.linear import StepWeight
+
+# the packed GEMM the kernels' DecoderStack runs for each compute dtype (StepWeight.gemm)
+_GEMM = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _linears(layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    a, mlp = layer.self_attn, layer.mlp
+    return {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+
+
+def _step_weights(layer: torch.nn.Module) -> dict[str, StepWeight | None]:
+    return {name: lin.kernel.step_weight() for name, lin in _linears(layer).items()}
 
 
 class CpuStep:
@@ -27,48 +43,52 @@ class CpuStep:
         """The fused step for ``model``, a ``LlamaForCausalLM`` that ``unsupported`` passed."""
         inner = model.model
         attn = inner.layers[0].self_attn
+        ops = attn.backend.ops
         self.dtype = inner.norm.weight.dtype
-        weights, onednn = [], set()
-        for layer in inner.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            packed = [getattr(lin, _PACKED[self.dtype]) for lin in linears]
-            onednn.update(lin.dense_from_rows for lin in linears)
-            dense = [lin.weight if lin.dense_from_rows is not None else None for lin in linears]
-            for t in (layer.input_layernorm.weight, packed[0], a.qkv_proj.bias,
-                      packed[1], a.o_proj.bias, layer.post_attention_layernorm.weight,
-                      packed[2], mlp.gate_up_proj.bias, packed[3], mlp.down_proj.bias, *dense):
-                weights.append(_NONE if t is None else t.detach())
+        steps = [_step_weights(layer) for layer in inner.layers]
         # batches of this many rows or more multiply on the dense weights through oneDNN, still
-        # in the one call (Linear.dense_from_rows, where it measured faster at load: bf16 with
-        # AMX); route_to_onednn gives every linear that kept a dense weight the same rows
-        onednn.discard(None)
+        # in the one call (OneDnnRouted, where it measured faster at load: bf16 with AMX);
+        # route_to_onednn gives every linear that kept a dense weight the same rows
+        onednn = {w.dense_from_rows for ws in steps for w in ws.values()} - {None}
         if len(onednn) > 1:
             raise ValueError(f"CpuStep: the linears route different rows to oneDNN: {onednn}")
         self.dense_from_rows: int | None = onednn.pop() if onednn else None
-        self.stack = attn.backend.ops.DecoderStack(
-            weights, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        layers = [_layer_weights(ops, layer, ws) for layer, ws in zip(inner.layers, steps)]
+        self.stack = ops.DecoderStack(
+            layers, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             inner.layers[0].input_layernorm.eps, attn.scale, TILE, CASCADE_TILE,
             self.dense_from_rows or 0)
         self.backend: CpuPagedBackend = attn.backend
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 kv_caches: list, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 kv_caches: list, meta, num_layers: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h, residual) after the first ``num_layers`` layers (all: None), before the final
+        norm; None for a forward the kernels do not take."""
         if h.dtype != self.dtype or self.backend._reference_for(kv_caches[0], h.dtype):
             return None
+        n = len(kv_caches) if num_layers is None else num_layers
         plan = self.backend.plan(meta)
         cos, sin = rope
         h, residual = self.stack.forward(
-            h, cos.squeeze(1), sin.squeeze(1), [k for k, _ in kv_caches],
-            [v for _, v in kv_caches], meta.slot_mapping,
+            h, cos.squeeze(1), sin.squeeze(1), [k for k, _ in kv_caches[:n]],
+            [v for _, v in kv_caches[:n]], meta.slot_mapping,
             meta.block_tables, meta.query_start_loc, plan.key_start_block, plan.key_limit,
-            plan.empty, list(plan.shared) if plan.shared is not None else [])
+            plan.empty, list(plan.shared) if plan.shared is not None else [], n)
         return h, residual
 
 
-_NONE = torch.empty(0)
-# the dtypes the kernels' DecoderStack runs, and the Linear attribute holding each one's weights
-_PACKED = {torch.bfloat16: "packed_bf16", torch.float32: "packed_f32"}
+def _layer_weights(ops, layer: torch.nn.Module, steps: dict[str, StepWeight]):
+    """The kernels' ``LayerWeights`` of one decoder layer: its norms' weights, and per linear
+    its packed weight, its bias and the dense weight oneDNN multiplies (None: it has none)."""
+    w = ops.LayerWeights()
+    w.input_norm = layer.input_layernorm.weight.detach()
+    w.post_norm = layer.post_attention_layernorm.weight.detach()
+    for name, step in steps.items():
+        setattr(w, name, step.packed)
+        setattr(w, f"{name}_bias", None if step.bias is None else step.bias.detach())
+        setattr(w, f"{name}_dense", step.dense)
+    return w
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -82,19 +102,18 @@ def unsupported(model: torch.nn.Module) -> str | None:
     if not isinstance(attn.backend, CpuPagedBackend) or not hasattr(ops, "DecoderStack"):
         return "needs the CPU kernels' attention and GEMM (AVX2 or AVX512)"
     dtype = inner.norm.weight.dtype
-    if dtype not in _PACKED:
+    if dtype not in _GEMM:
         return f"{dtype} runs eagerly"
     if dtype == torch.bfloat16 and not getattr(ops, "has_bf16_gemm", False):
         return "bf16 needs the CPU kernels' bf16 GEMM (AVX512-BF16)"
     for layer in layers:
-        a, mlp = layer.self_attn, layer.mlp
-        if a.q_norm is not None:
+        if layer.self_attn.q_norm is not None:
             return "per-head q/k norms (Qwen3) run eagerly"
-        if any(getattr(lin, _PACKED[dtype]) is None
-               for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        steps = _step_weights(layer)
+        if any(s is None or s.gemm != _GEMM[dtype] for s in steps.values()):
             name = "bf16" if dtype == torch.bfloat16 else "float32"
             return f"not every linear layer is a packed {name} weight (quantized, or a size " \
                    "the kernels do not pack)"
-        if dtype == torch.bfloat16 and not mlp.gate_up_proj.gated:
+        if dtype == torch.bfloat16 and not steps["gate_up"].applies_silu:
             return "gate/up takes no SiLU·mul in its epilogue (an MLP bias)"
     return None

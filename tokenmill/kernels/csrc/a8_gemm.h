@@ -32,9 +32,13 @@
 //
 // then + bias, + residual.
 //
-// Included by cpu_ops.cpp after f32_gemm.h, whose linear_f32_packed takes these weights too.
+// linear_f32_packed (f32_linear.h) takes these weights too; the packing's checks and the tiles'
+// output (F32Out) are f32_gemm.h's.
 
 #pragma once
+
+#include "common.h"
+#include "f32_gemm.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 

@@ -10,7 +10,7 @@
 // A tile is ROWS input rows x 32 output features (two column blocks): 2 * ROWS accumulators,
 // per input pair two weight loads and ROWS broadcasts; the weights of a column block (K * 64
 // bytes) stay in L2 while every row tile of the batch passes over them. Work is split over
-// pairs of column blocks. Included by cpu_ops.cpp.
+// pairs of column blocks.
 //
 // A step's weights do not fit in any cache, so every column block comes from memory once.
 // The first row tile of a task prefetches the next task's blocks into L2 line by line as it
@@ -21,6 +21,8 @@
 // dominate and it changes little.
 
 #pragma once
+
+#include "common.h"
 
 #if defined(__AVX512BF16__)
 

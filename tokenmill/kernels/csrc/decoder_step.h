@@ -20,15 +20,27 @@
 // -ffp-contract=off); the residual adds in the epilogue of the o_proj and down GEMMs
 // (linear_f32_packed_add: the linear's sum, then + residual), every linear on the packed
 // float32 GEMM (f32_gemm.h; with --quantization, on int8 rows of x: a8_gemm.h, as the eager
-// path does too). Included by cpu_ops.cpp after the GEMM headers.
+// path does too).
 //
-// Where the load-time trial found oneDNN faster from some number of rows (model/loader.py,
-// choose_onednn_rows: bf16 on a CPU with AMX), a batch of that many rows or more multiplies on
-// the dense weights through at::linear, the op the eager path's F.linear calls, and the gate/up
-// then SiLU·mul as the eager path does, so the step stays fused and its results the eager
-// path's, bit for bit.
+// Where the load-time trial found oneDNN faster from some number of rows
+// (model/linear/setup.py, choose_onednn_rows: bf16 on a CPU with AMX), a batch of that many
+// rows or more multiplies on the dense weights through at::linear, the op the eager path's
+// F.linear calls (OneDnnRouted), and the gate/up then SiLU·mul as the eager path does, so the
+// step stays fused and its results the eager path's, bit for bit.
+//
+// The weights come by name (LayerWeights), filled from each linear's kernel; the two dtypes
+// share one layer loop (DecoderStack::run), what differs between them in Bf16Step / F32Step.
 
 #pragma once
+
+#include <torch/extension.h>  // pybind11, for register_decoder_step
+
+#include "bf16_gemm.h"
+#include "common.h"
+#include "f32_linear.h"
+#include "kv_cache.h"
+#include "layer_ops.h"
+#include "paged_attention.h"
 
 #if defined(TOKENMILL_HAS_BF16_GEMM) || defined(TOKENMILL_HAS_F32_GEMM)
 
@@ -67,27 +79,90 @@ at::Tensor rms_norm_f32(const at::Tensor& x_in, const at::Tensor& weight, double
   return out;
 }
 
+// One decoder layer's weights, by name (runner/cpu_step.py fills them from each linear's
+// kernel, model/linear/). The packed weights are all bf16 (pack_bf16_weight; gate_up's column
+// blocks interleaved for linear_bf16_packed_silu, and no bias) or all for the float32 GEMM
+// (pack_f32_weight, pack_f32_quant_weight for weights kept in 4 or 8 bits, pack_a8_weight for
+// int8 rows of x); the norm weights in the compute dtype. A linear's `_dense` weight, (out, in)
+// in the compute dtype, is what a batch of dense_from_rows rows or more multiplies through
+// oneDNN, as its kernel does on the eager path; none where it keeps no dense weight.
+struct LayerWeights {
+  at::Tensor input_norm, post_norm;
+  at::Tensor qkv, o, gate_up, down;
+  c10::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+  c10::optional<at::Tensor> qkv_dense, o_dense, gate_up_dense, down_dense;
+};
+
+// One linear of a layer as the loop multiplies it.
+struct Proj {
+  const at::Tensor& packed;
+  const c10::optional<at::Tensor>& bias;
+  const c10::optional<at::Tensor>& dense;
+};
+
+// What differs between the two dtypes; the layer loop (DecoderStack::run) is one.
+#ifdef TOKENMILL_HAS_BF16_GEMM
+// bf16: every linear on vdpbf16ps (bf16_gemm.h); the residual added inside rms_norm, one
+// rounding of y + residual; gate/up with SiLU·mul in its epilogue
+struct Bf16Step {
+  static at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+    return rms_norm(x, at::empty({0}, x.options()), w, eps)[0];
+  }
+  static at::Tensor linear(const at::Tensor& x, const Proj& p) {
+    return linear_bf16_packed(x, p.packed, p.bias);
+  }
+  // residual += the projection y of x (dense: y from oneDNN); returns the norm of the sum
+  static at::Tensor add_norm(const at::Tensor& x, const Proj& p, bool dense,
+                             at::Tensor& residual, const at::Tensor& w, double eps) {
+    const at::Tensor y = dense ? at::linear(x, *p.dense, p.bias) : linear(x, p);
+    std::vector<at::Tensor> r = rms_norm(y, residual, w, eps);
+    residual = r[1];
+    return r[0];
+  }
+  static at::Tensor act(const at::Tensor& gate_up) { return silu_and_mul(gate_up); }
+  static at::Tensor gated(const at::Tensor& x, const Proj& p) {
+    return linear_bf16_packed_silu(x, p.packed, p.bias);
+  }
+};
+#endif
+
+#ifdef TOKENMILL_HAS_F32_GEMM
+// float32, as the eager path runs it: rms_norm_f32, the residual added in the epilogue of the
+// o_proj and down GEMMs (the linear's sum rounded, then + residual), PyTorch's silu(gate) * up
+struct F32Step {
+  static at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+    return rms_norm_f32(x, w, eps);
+  }
+  static at::Tensor linear(const at::Tensor& x, const Proj& p) {
+    return linear_f32_packed(x, p.packed, p.bias);
+  }
+  static at::Tensor add_norm(const at::Tensor& x, const Proj& p, bool dense,
+                             at::Tensor& residual, const at::Tensor& w, double eps) {
+    residual = dense ? at::linear(x, *p.dense, p.bias) + residual
+                     : linear_f32_packed_add(x, p.packed, p.bias, residual);
+    return rms_norm_f32(residual, w, eps);
+  }
+  static at::Tensor act(const at::Tensor& gate_up) {
+    const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+    return at::silu(halves[0]) * halves[1];
+  }
+  static at::Tensor gated(const at::Tensor& x, const Proj& p) { return act(linear(x, p)); }
+};
+#endif
+
 class DecoderStack {
  public:
-  // Per layer, in this order (an empty tensor for a missing bias): input norm weight, packed
-  // qkv, qkv bias, packed o, o bias, post-attention norm weight, packed gate/up (bf16: column
-  // blocks interleaved, see linear_bf16_packed_silu, and no bias), gate/up bias, packed down,
-  // down bias, then the dense qkv, o, gate/up and down weights for oneDNN (empty where a linear
-  // keeps none: a weight kept in 4 or 8 bits). All packed weights bf16 (packed by
-  // pack_bf16_weight), or all for the float32 GEMM (pack_f32_weight, or pack_f32_quant_weight
-  // for weights kept in 4 or 8 bits); the norm and dense weights are in the compute dtype.
+  // layers: each layer's weights (see LayerWeights), bf16 or float32 as their norms are.
   // dense_from_rows: from this many rows a batch multiplies on each dense weight there is, as
-  // each Linear does on the eager path (0: never).
-  static constexpr size_t kPerLayer = 14;
-
-  DecoderStack(const std::vector<at::Tensor>& weights, int64_t heads, int64_t kv_heads,
+  // each linear does on the eager path (0: never).
+  DecoderStack(const std::vector<LayerWeights>& layers, int64_t heads, int64_t kv_heads,
                int64_t head_dim, double eps, double scale, int64_t tile, int64_t cascade_tile,
                int64_t dense_from_rows)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        tile_(tile), cascade_tile_(cascade_tile), dense_from_rows_(dense_from_rows) {
-    TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
-                "DecoderStack: ", kPerLayer, " tensors per layer");
-    dtype_ = weights[0].scalar_type();  // the norm's: a float32 GEMM's weights may be 4/8-bit
+      : layers_(layers), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps),
+        scale_(scale), tile_(tile), cascade_tile_(cascade_tile),
+        dense_from_rows_(dense_from_rows) {
+    TORCH_CHECK(!layers_.empty(), "DecoderStack: no layers");
+    dtype_ = layers_[0].input_norm.scalar_type();  // a float32 GEMM's weights may be 4/8-bit
     TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kFloat,
                 "DecoderStack: a bf16 or float32 model, got ", dtype_);
 #ifndef TOKENMILL_HAS_BF16_GEMM
@@ -96,23 +171,18 @@ class DecoderStack {
 #ifndef TOKENMILL_HAS_F32_GEMM
     TORCH_CHECK(dtype_ != at::kFloat, "DecoderStack: float32 weights need AVX2 or AVX512");
 #endif
-    auto bias = [](const at::Tensor& t) {
-      return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
-    };
-    for (size_t i = 0; i < weights.size(); i += kPerLayer) {
-      const at::Tensor* w = weights.data() + i;
-      layers_.push_back({w[0], w[1], bias(w[2]), w[3], bias(w[4]), w[5], w[6], bias(w[7]),
-                         w[8], bias(w[9]), {w[10], w[11], w[12], w[13]}});
-      for (const at::Tensor& d : layers_.back().dense)
-        TORCH_CHECK(d.numel() == 0 || (d.dim() == 2 && d.scalar_type() == dtype_),
-                    "DecoderStack: dense weights (out, in) in the compute dtype, or empty");
-    }
+    for (const LayerWeights& l : layers_)
+      for (const c10::optional<at::Tensor>* d :
+           {&l.qkv_dense, &l.o_dense, &l.gate_up_dense, &l.down_dense})
+        TORCH_CHECK(!d->has_value() || ((*d)->dim() == 2 && (*d)->scalar_type() == dtype_),
+                    "DecoderStack: dense weights (out, in) in the compute dtype, or none");
   }
 
   // h: the embeddings (T, hidden) in the weights' dtype. cos/sin: float32 (T, head_dim / 2).
-  // The caches: one per layer. The attention arguments as paged_attention takes them for the
-  // main pass; `shared`: empty, or the shared-prefix pass's (block tables, query starts, key
-  // start blocks, key limits, rows). Returns (h, residual) after the last layer, before the
+  // The caches: one per layer run. The attention arguments as paged_attention takes them for
+  // the main pass; `shared`: empty, or the shared-prefix pass's (block tables, query starts,
+  // key start blocks, key limits, rows). num_layers: run the first that many layers (an early
+  // exit, for layer-skip drafting). Returns (h, residual) after the last layer run, before the
   // final norm.
   std::vector<at::Tensor> forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                                   const std::vector<at::Tensor>& k_caches,
@@ -120,16 +190,25 @@ class DecoderStack {
                                   const at::Tensor& slots, const at::Tensor& block_tables,
                                   const at::Tensor& query_start, const at::Tensor& key_start,
                                   const at::Tensor& key_limit, const at::Tensor& no_rows,
-                                  const std::vector<at::Tensor>& shared) const {
-    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
-                "DecoderStack: one K and one V cache per layer");
+                                  const std::vector<at::Tensor>& shared,
+                                  int64_t num_layers) const {
+    TORCH_CHECK(num_layers >= 1 && num_layers <= static_cast<int64_t>(layers_.size()),
+                "DecoderStack: 1 to ", layers_.size(), " layers, not ", num_layers);
+    const size_t count = static_cast<size_t>(num_layers);
+    TORCH_CHECK(k_caches.size() == count && v_caches.size() == count,
+                "DecoderStack: one K and one V cache per layer run");
     TORCH_CHECK(shared.empty() || shared.size() == 5, "DecoderStack: shared pass arguments");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == dtype_,
                 "DecoderStack: hidden states (T, hidden) in the weights' dtype");
     const Step step{cos, sin, k_caches, v_caches, slots, block_tables, query_start,
                     key_start, key_limit, no_rows, shared};
-    return dtype_ == at::kFloat ? forward_f32(std::move(h), step)
-                                : forward_bf16(std::move(h), step);
+#ifdef TOKENMILL_HAS_F32_GEMM
+    if (dtype_ == at::kFloat) return run<F32Step>(std::move(h), step, count);
+#endif
+#ifdef TOKENMILL_HAS_BF16_GEMM
+    if (dtype_ == at::kBFloat16) return run<Bf16Step>(std::move(h), step, count);
+#endif
+    TORCH_CHECK(false, "DecoderStack: no GEMM for ", dtype_);
   }
 
  private:
@@ -140,121 +219,68 @@ class DecoderStack {
     const std::vector<at::Tensor>& shared;
   };
 
-  // Layer i's new K/V stored at their slots, then its attention into `out`: the main pass and,
-  // when the step has one, the shared-prefix pass merged into it.
-  void attend(size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-              at::Tensor& out, const Step& a) const {
-    store_kv(k, v, a.k_caches[i], a.v_caches[i], a.slots);
-    const at::Tensor lse = at::empty({q.size(0), heads_}, q.options().dtype(at::kFloat));
+  // The layer loop, as LlamaDecoderLayer runs it. Each layer's down projection is joined to
+  // the residual by the next layer's input norm (add_norm); the last one's is returned with
+  // the residual for the final norm.
+  template <class K>
+  std::vector<at::Tensor> run(at::Tensor h, const Step& a, size_t count) const {
+    const int64_t n = h.size(0);
+    at::Tensor residual = h, act;
+    h = K::norm(h, layers_[0].input_norm, eps_);
+    for (size_t i = 0; i < count; ++i) {
+      const LayerWeights& l = layers_[i];
+      if (i > 0) {
+        const Proj down = down_of(layers_[i - 1]);
+        h = K::add_norm(act, down, dense(down, n), residual, l.input_norm, eps_);
+      }
+      const Proj qkv{l.qkv, l.qkv_bias, l.qkv_dense}, o{l.o, l.o_bias, l.o_dense};
+      const at::Tensor attended = attention(i, project<K>(h, qkv, n), a);
+      h = K::add_norm(attended, o, dense(o, n), residual, l.post_norm, eps_);
+      const Proj gate_up{l.gate_up, l.gate_up_bias, l.gate_up_dense};
+      act = dense(gate_up, n) ? K::act(at::linear(h, *gate_up.dense, gate_up.bias))
+                              : K::gated(h, gate_up);
+    }
+    return {project<K>(act, down_of(layers_[count - 1]), n), residual};
+  }
+
+  static Proj down_of(const LayerWeights& l) { return {l.down, l.down_bias, l.down_dense}; }
+
+  template <class K>
+  at::Tensor project(const at::Tensor& x, const Proj& p, int64_t rows) const {
+    return dense(p, rows) ? at::linear(x, *p.dense, p.bias) : K::linear(x, p);
+  }
+
+  // whether a batch of `rows` rows multiplies on the linear's dense weight through oneDNN:
+  // from dense_from_rows rows, where it kept one
+  bool dense(const Proj& p, int64_t rows) const {
+    return dense_from_rows_ > 0 && rows >= dense_from_rows_ && p.dense.has_value() &&
+           p.dense->numel() > 0;
+  }
+
+  // Layer i's attention from its qkv projection (T, (heads + 2 kv_heads) head_dim): RoPE of
+  // the q and k heads in place, the new K/V stored at their slots, the main pass and, when the
+  // step has one, the shared-prefix pass merged into it (in float32). Returns (T, heads
+  // head_dim) in the compute dtype.
+  at::Tensor attention(size_t i, const at::Tensor& qkv, const Step& a) const {
+    const int64_t n = qkv.size(0), qk = (heads_ + kv_heads_) * head_dim_;
+    const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
+    rope_(qk_heads, a.cos, a.sin);  // x1 c - x2 s, x2 c + x1 s: the eager ops' roundings
+    const at::Tensor q = qk_heads.narrow(1, 0, heads_);
+    store_kv(qk_heads.narrow(1, heads_, kv_heads_),
+             qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}),
+             a.k_caches[i], a.v_caches[i], a.slots);
+    at::Tensor out = at::empty({n, heads_, head_dim_},
+                               qkv.options().dtype(a.shared.empty() ? dtype_ : at::kFloat));
+    const at::Tensor lse = at::empty({n, heads_}, qkv.options().dtype(at::kFloat));
     paged_attention(q, a.k_caches[i], a.v_caches[i], a.block_tables, a.query_start,
                     a.key_start, a.key_limit, a.no_rows, out, lse, scale_, false, tile_);
     if (!a.shared.empty())
       paged_attention(q, a.k_caches[i], a.v_caches[i], a.shared[0], a.shared[1], a.shared[2],
                       a.shared[3], a.shared[4], out, lse, scale_, true, cascade_tile_);
+    return out.to(dtype_).view({n, heads_ * head_dim_});
   }
 
-  std::vector<at::Tensor> forward_bf16(at::Tensor h, const Step& a) const {
-#ifdef TOKENMILL_HAS_BF16_GEMM
-    const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
-    const at::Tensor no_residual = at::empty({0}, h.options());
-    const auto out_options = h.options().dtype(a.shared.empty() ? at::kBFloat16 : at::kFloat);
-    at::Tensor residual;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& l = layers_[i];
-      if (!residual.defined()) {
-        residual = h;
-        h = rms_norm(h, no_residual, l.in_norm, eps_)[0];
-      } else {
-        std::vector<at::Tensor> r = rms_norm(h, residual, l.in_norm, eps_);
-        h = r[0];
-        residual = r[1];
-      }
-      const at::Tensor qkv = dense(l, 0, n) ? at::linear(h, l.dense[0], l.qkv_bias)
-                                            : linear_bf16_packed(h, l.qkv, l.qkv_bias);
-      const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
-      rope_(qk_heads, a.cos, a.sin);
-      at::Tensor out = at::empty({n, heads_, head_dim_}, out_options);
-      attend(i, qk_heads.narrow(1, 0, heads_), qk_heads.narrow(1, heads_, kv_heads_),
-             qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}), out, a);
-      if (!a.shared.empty()) out = out.to(at::kBFloat16);
-      const at::Tensor attended = out.view({n, heads_ * head_dim_});
-      const at::Tensor o = dense(l, 1, n) ? at::linear(attended, l.dense[1], l.o_bias)
-                                          : linear_bf16_packed(attended, l.o, l.o_bias);
-      std::vector<at::Tensor> r = rms_norm(o, residual, l.post_norm, eps_);
-      residual = r[1];
-      const at::Tensor act =
-          dense(l, 2, n) ? silu_and_mul(at::linear(r[0], l.dense[2], l.gate_up_bias))
-                         : linear_bf16_packed_silu(r[0], l.gate_up, l.gate_up_bias);
-      h = dense(l, 3, n) ? at::linear(act, l.dense[3], l.down_bias)
-                         : linear_bf16_packed(act, l.down, l.down_bias);
-    }
-    return {h, residual};
-#else
-    TORCH_CHECK(false, "DecoderStack: bf16 weights need AVX512-BF16");
-#endif
-  }
-
-  // float32, as the eager path runs it (model/llama.py, model/layers.py, CpuPagedBackend)
-  std::vector<at::Tensor> forward_f32(at::Tensor h, const Step& a) const {
-#ifdef TOKENMILL_HAS_F32_GEMM
-    const int64_t n = h.size(0), qk = (heads_ + kv_heads_) * head_dim_;
-    auto norm = [&](const at::Tensor& x, const at::Tensor& w) { return rms_norm_f32(x, w, eps_); };
-    // linear j of layer l: packed, or oneDNN on the dense weight
-    auto linear = [&](const at::Tensor& x, const Layer& l, int j, const at::Tensor& packed,
-                      const c10::optional<at::Tensor>& bias) {
-      return dense(l, j, n) ? at::linear(x, l.dense[j], bias) : linear_f32_packed(x, packed, bias);
-    };
-    // the linear, then + residual: the sum rounded, then the add, as the eager ops do
-    auto linear_add = [&](const at::Tensor& x, const Layer& l, int j, const at::Tensor& packed,
-                          const c10::optional<at::Tensor>& bias, const at::Tensor& residual) {
-      return dense(l, j, n) ? at::linear(x, l.dense[j], bias) + residual
-                            : linear_f32_packed_add(x, packed, bias, residual);
-    };
-    at::Tensor residual = h;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& l = layers_[i];
-      h = norm(residual, l.in_norm);
-      const at::Tensor qkv = linear(h, l, 0, l.qkv, l.qkv_bias);
-      const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
-      rope_(qk_heads, a.cos, a.sin);  // x1 c - x2 s, x2 c + x1 s: the eager ops' roundings
-      at::Tensor out = at::empty({n, heads_, head_dim_}, h.options());
-      attend(i, qk_heads.narrow(1, 0, heads_), qk_heads.narrow(1, heads_, kv_heads_),
-             qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}), out, a);
-      residual = linear_add(out.view({n, heads_ * head_dim_}), l, 1, l.o, l.o_bias, residual);
-      const auto gate_up = linear(norm(residual, l.post_norm), l, 2, l.gate_up,
-                                  l.gate_up_bias).chunk(2, -1);
-      const at::Tensor act = at::silu(gate_up[0]) * gate_up[1];
-      if (i + 1 == layers_.size()) {  // the last layer's sum is the final norm's
-        h = linear(act, l, 3, l.down, l.down_bias);
-        break;
-      }
-      residual = linear_add(act, l, 3, l.down, l.down_bias, residual);
-    }
-    return {h, residual};
-#else
-    TORCH_CHECK(false, "DecoderStack: float32 weights need AVX2 or AVX512");
-#endif
-  }
-
-  struct Layer {
-    at::Tensor in_norm, qkv;
-    c10::optional<at::Tensor> qkv_bias;
-    at::Tensor o;
-    c10::optional<at::Tensor> o_bias;
-    at::Tensor post_norm, gate_up;
-    c10::optional<at::Tensor> gate_up_bias;
-    at::Tensor down;
-    c10::optional<at::Tensor> down_bias;
-    std::array<at::Tensor, 4> dense;  // qkv, o, gate/up, down for oneDNN, or empty
-  };
-
-  // whether linear j of layer l (0 qkv, 1 o, 2 gate/up, 3 down) multiplies a batch of `rows`
-  // rows on its dense weight through oneDNN: from dense_from_rows rows, where it kept one
-  bool dense(const Layer& l, int j, int64_t rows) const {
-    return dense_from_rows_ > 0 && rows >= dense_from_rows_ && l.dense[j].numel() > 0;
-  }
-
-  std::vector<Layer> layers_;
+  std::vector<LayerWeights> layers_;
   at::ScalarType dtype_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
@@ -262,6 +288,38 @@ class DecoderStack {
   int64_t dense_from_rows_;
 };
 
+// The Python names: LayerWeights, DecoderStack, rms_norm_f32 (cpu_ops.cpp's module calls this).
+inline void register_decoder_step(pybind11::module_& m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  pybind11::class_<LayerWeights>(m, "LayerWeights", "a decoder layer's weights, by name")
+      .def(pybind11::init<>())
+      .def_readwrite("input_norm", &LayerWeights::input_norm)
+      .def_readwrite("post_norm", &LayerWeights::post_norm)
+      .def_readwrite("qkv", &LayerWeights::qkv)
+      .def_readwrite("o", &LayerWeights::o)
+      .def_readwrite("gate_up", &LayerWeights::gate_up)
+      .def_readwrite("down", &LayerWeights::down)
+      .def_readwrite("qkv_bias", &LayerWeights::qkv_bias)
+      .def_readwrite("o_bias", &LayerWeights::o_bias)
+      .def_readwrite("gate_up_bias", &LayerWeights::gate_up_bias)
+      .def_readwrite("down_bias", &LayerWeights::down_bias)
+      .def_readwrite("qkv_dense", &LayerWeights::qkv_dense)
+      .def_readwrite("o_dense", &LayerWeights::o_dense)
+      .def_readwrite("gate_up_dense", &LayerWeights::gate_up_dense)
+      .def_readwrite("down_dense", &LayerWeights::down_dense);
+  pybind11::class_<DecoderStack>(m, "DecoderStack",
+                                 "the decoder layers of a bf16 or float32 model, run in one call")
+      .def(pybind11::init<const std::vector<LayerWeights>&, int64_t, int64_t, int64_t, double,
+                          double, int64_t, int64_t, int64_t>())
+      .def("forward", &DecoderStack::forward, release());
+  m.def("rms_norm_f32", &rms_norm_f32,
+        "float32 rms_norm with PyTorch's roundings (its own mean), in three calls", release());
+}
+
 }  // namespace
+
+#else
+
+inline void register_decoder_step(pybind11::module_&) {}  // neither GEMM: nothing to bind
 
 #endif

@@ -1,0 +1,129 @@
+"""Kernels on a weight packed once for the CPU kernels' GEMMs: float32 (``csrc/f32_gemm.h``,
+also 4/8-bit weights kept in their bits and, in ``csrc/a8_gemm.h``'s layout, multiplied with
+int8 rows of x) and bf16 (``csrc/bf16_gemm.h``, with SiLU·mul in the epilogue for gate/up).
+Each ``build`` returns None for a weight its kernel cannot take (a size, a format); the loader
+then tries the plan's next kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.model.linear.base import LinearKernel, StepWeight, on_rows
+from tokenmill.model.quant import QuantWeight
+
+
+class F32Packed(LinearKernel):
+    """``linear_f32_packed`` over a weight in its column-block layout.
+
+    float32 weights: ahead of oneDNN's prepacked ones at every batch size measured (all linears
+    of a decode step: 1 row 27.4 -> 16.5 ms, 8 rows 44.2 -> 17.3, 32 rows 65.5 -> 43.3, 512
+    rows 701 -> 664; Zen 4, 2 cores, benchmarks/linear_kernels.py).
+    4/8-bit weights in groups of 32 with float16 scales (a GGUF's Q4_0 / Q4_1 / Q8_0, or int4 /
+    int8) kept in their bits (``pack_f32_quant_weight``): widened to float32 as they are
+    multiplied, the sums those of the dequantized float32 weight bit for bit, 0.75 / 1.125
+    bytes read per weight instead of 4 (a decode step's linear work 2.2x faster at one row,
+    1.2-1.3x at 4-8 rows, within 3% from 16 rows; Zen 3, 2 cores).
+    Or packed for x's rows rounded to int8 in groups of 32 (``pack_a8_weight``, AVX2's
+    vpmaddubsw): ``int8_activations``."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, ops, kind: str,
+                 int8_activations: bool = False):
+        self.packed, self.bias, self.ops, self.kind = packed, bias, ops, kind
+        self.int8_activations = int8_activations
+
+    @property
+    def family(self) -> str:
+        if self.kind == "float32":
+            return "f32-packed"
+        return "f32-packed-a8" if self.int8_activations else "f32-packed-bits"
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> F32Packed | None:
+        cols = getattr(ops, "f32_pack_cols", 0) if ops is not None else 0
+        if (not cols or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or weight.shape[0] % cols):
+            return None
+        return cls(ops.pack_f32_weight(weight.detach()), bias, ops, "float32")
+
+    @classmethod
+    def build_quantized(cls, qw: QuantWeight, bias: torch.Tensor | None, ops,
+                        int8_activations: bool) -> F32Packed | None:
+        """``qw`` in its bits, or for int8 activations; None where the layout cannot hold it."""
+        attr = "a8_pack_cols" if int8_activations else "f32_pack_cols"
+        cols = getattr(ops, attr, 0) if ops is not None else 0
+        if not (cols and qw.qweight.device.type == "cpu" and qw.bits in (4, 8)
+                and qw.group_size == 32
+                and qw.qweight.dtype == (torch.uint8 if qw.bits == 4 else torch.int8)
+                and qw.scales.dtype == torch.float16 and qw.shape[0] % cols == 0
+                and (qw.bits == 8 or qw.zeros is not None)):
+            return None
+        pack = ops.pack_a8_weight if int8_activations else ops.pack_f32_quant_weight
+        packed = pack(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size)
+        return cls(packed, bias, ops, qw.kind, int8_activations)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return on_rows(self.ops.linear_f32_packed, x, self.packed, self.bias)
+
+    @property
+    def weight_format(self) -> str:
+        return self.kind
+
+    def step_weight(self) -> StepWeight:
+        return StepWeight("f32", self.packed, self.bias)
+
+
+class Bf16Packed(LinearKernel):
+    """``linear_bf16_packed`` over a weight packed for vdpbf16ps (AVX512-BF16, N a multiple of
+    16): ahead of oneDNN at every batch size measured, 1.3-2.2x at 1-64 rows
+    (benchmarks/linear_kernels.py)."""
+
+    family = "bf16-packed"
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, ops):
+        self.packed, self.bias, self.ops = packed, bias, ops
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> Bf16Packed | None:
+        if (ops is None or not getattr(ops, "has_bf16_gemm", False)
+                or weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
+                or weight.shape[0] % 16):
+            return None
+        return cls(ops.pack_bf16_weight(weight.detach()), bias, ops)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return on_rows(self.ops.linear_bf16_packed, x.to(torch.bfloat16), self.packed, self.bias)
+
+    @property
+    def weight_format(self) -> str:
+        return "bfloat16"
+
+    def step_weight(self) -> StepWeight:
+        return StepWeight("bf16", self.packed, self.bias, self.applies_silu)
+
+
+class Bf16PackedSilu(Bf16Packed):
+    """A gate/up layer (gate rows, then as many up rows) packed for bf16 with its column blocks
+    interleaved (gate 0, up 0, gate 1, ...), so ``linear_bf16_packed_silu`` computes
+    silu(gate) * up in the GEMM's epilogue: it returns that, half the width, and the (T, 2I)
+    product never goes to memory."""
+
+    family = "bf16-packed-silu"
+    applies_silu = True
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+              ops) -> Bf16PackedSilu | None:
+        """None with a bias, or where the halves split a block of 16 features."""
+        if bias is not None or not hasattr(ops, "linear_bf16_packed_silu"):
+            return None
+        plain = Bf16Packed.build(weight, bias, ops)
+        if plain is None or plain.packed.shape[0] % 2:
+            return None
+        p = plain.packed  # (N / 16, K / 2, 16, 2) -> gate and up blocks taken in turn
+        interleaved = p.view(2, p.shape[0] // 2, *p.shape[1:]).transpose(0, 1) \
+            .reshape(p.shape).contiguous()
+        return cls(interleaved, None, ops)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return on_rows(self.ops.linear_bf16_packed_silu, x.to(torch.bfloat16), self.packed,
+                       self.bias)

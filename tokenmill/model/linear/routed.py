@@ -1,0 +1,91 @@
+"""oneDNN row routing: from some number of rows a batch multiplies on the dense weight through
+oneDNN (``F.linear``), below it on the packed kernel. Where oneDNN is faster for large batches
+(a bf16 model on a CPU with AMX, whose tiles oneDNN uses and the packed GEMM does not) the
+loader times both at load (``time_packed_and_dense``) and picks the rows (``dense_rows_from``)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.linear.activation import silu_and_mul
+from tokenmill.model.linear.base import LinearKernel, StepWeight
+
+# Rows of input at which the loader times the packed GEMM against oneDNN's, and how much faster
+# oneDNN must be to take them: decode batches of 16 sequences and more, and prompt chunks (on a
+# 2-core AMX Xeon a 32-sequence decode step took 64-68 ms through oneDNN, layer by layer,
+# against 83-95 ms fused on the packed weights)
+ONEDNN_TRIAL_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+ONEDNN_MARGIN = 1.15
+
+
+class OneDnnRouted(LinearKernel):
+    """A packed kernel and the dense weight beside it: inputs of ``from_rows`` rows or more go
+    to oneDNN on the dense weight (then SiLU·mul, for a gate/up kernel that applies it), fewer
+    to the packed kernel."""
+
+    family = "onednn-routed"
+
+    def __init__(self, packed: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None,
+                 from_rows: int, ops):
+        self.packed, self.weight, self.bias, self.ops = packed, weight, bias, ops
+        self.from_rows = from_rows
+        self.applies_silu = packed.applies_silu
+        self.int8_activations = packed.int8_activations
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= self.from_rows * x.shape[-1]:
+            return self.dense(x)
+        return self.packed(x)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        return silu_and_mul(out, self.ops) if self.applies_silu else out
+
+    @property
+    def weight_format(self) -> str:
+        return self.packed.weight_format
+
+    def step_weight(self) -> StepWeight | None:
+        inner = self.packed.step_weight()
+        return None if inner is None else replace(inner, dense=self.weight.detach(),
+                                                  dense_from_rows=self.from_rows)
+
+    def describe(self) -> str:
+        return f"{self.packed.describe()}, oneDNN from {self.from_rows} rows"
+
+
+def dense_rows_from(timings: dict[int, tuple[float, float]],
+                    margin: float = ONEDNN_MARGIN) -> int | None:
+    """From ``{rows: (packed seconds, oneDNN seconds)}``: the fewest rows from which oneDNN was
+    at least ``margin`` times faster at every row count timed, or None (packed throughout)."""
+    start = None
+    for rows in sorted(timings, reverse=True):
+        packed, dense = timings[rows]
+        if packed < dense * margin:
+            break
+        start = rows
+    return start
+
+
+def time_packed_and_dense(candidates: list[OneDnnRouted], rows: tuple[int, ...] = ONEDNN_TRIAL_ROWS,
+                          repeats: int = 2) -> dict[int, tuple[float, float]]:
+    """``{rows: (packed seconds, oneDNN seconds)}`` for one forward through every candidate,
+    best of ``repeats``."""
+    timings = {}
+    with torch.inference_mode():
+        for n in rows:
+            xs = [torch.randn(n, c.weight.shape[1]).to(c.weight.dtype) for c in candidates]
+            best = [math.inf, math.inf]
+            for _ in range(repeats + 1):  # the first round warms up
+                for i, way in enumerate(("packed", "dense")):
+                    start = time.perf_counter()
+                    for c, x in zip(candidates, xs):
+                        c.packed(x) if way == "packed" else c.dense(x)
+                    best[i] = min(best[i], time.perf_counter() - start)
+            timings[n] = (best[0], best[1])
+    return timings
