@@ -105,7 +105,7 @@ def steps(args, batch: int) -> dict:
     from tokenmill.runner.batch import Chunk
 
     llm = LLM(args.model, max_num_seqs=max(batch, 8), **engine_options(args))
-    runner = llm.engine.runner
+    runner = llm.engine.executor.worker
     ctx = args.input_len
     per_seq = -(-(ctx + 64) // runner.block_size)
     chunks = [Chunk([7], ctx, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))

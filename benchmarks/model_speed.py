@@ -14,6 +14,8 @@ import json
 import resource
 import time
 
+from tokenmill.util import cdiv
+
 
 def rss_mib() -> float:
     with open("/proc/self/status") as f:
@@ -52,7 +54,7 @@ def main() -> None:
     t_load = time.perf_counter() - t1
     rss_after_load = rss_mib()
     total = args.prompt_len + args.new_tokens
-    runner = ModelRunner(loaded, num_blocks=-(-total // 16), block_size=16, device=args.device,
+    runner = ModelRunner(loaded, num_blocks=1 + cdiv(total, 16), block_size=16, device=args.device,
                          kv_cache_dtype=args.kv_cache_dtype)
     prompt = [(7 * i + 11) % loaded.config.vocab_size for i in range(args.prompt_len)]
     runner.greedy_generate(prompt, 8)  # warm-up

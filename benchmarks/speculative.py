@@ -83,7 +83,7 @@ def grounded_tasks() -> list[list[dict]]:
 
     readme = excerpt("README.md", "# ")
     arch = excerpt("docs/architecture.md", "")
-    ngram = excerpt("tokenmill/spec/ngram.py", "class NgramProposer")
+    ngram = excerpt("tokenmill/speculative/ngram.py", "class NgramProposer")
     block_pool = excerpt("tokenmill/cache/block_pool.py", "class ")
     return [
         user(f"Repeat the following text exactly, word for word.\n\n{readme}"),

@@ -74,7 +74,7 @@ def main() -> None:
               max_num_seqs=max(64, args.num_seqs), enforce_eager=args.enforce_eager,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     engine = llm.engine
-    runner = engine.runner
+    runner = engine.executor.worker
     timed = TimedModule(runner.model)
     runner.model = timed
     # engine.info is the new engine surface; model_config the old one (for a before/after run).

@@ -1,6 +1,6 @@
-"""Torch-free stand-ins for the model runner, for scheduler and engine tests that run in ms.
+"""Torch-free stand-ins for the executor, for scheduler and engine tests that run in ms.
 
-``FakeRunner`` keeps a (position, token id) record per KV slot and checks, before writing a
+``FakeExecutor`` keeps a (position, token id) record per KV slot and checks, before writing a
 step's tokens, that every chunk finds its whole verified history where its block table says:
 that is what attention would read, so it catches shared, reused, forgotten or rolled-back
 blocks, not just bookkeeping. Its "model" is any function of a sequence and the draft tokens
@@ -17,8 +17,9 @@ from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from tokenmill.cache import slot_of
+from tokenmill.executor.base import Executor
 from tokenmill.request import Request
-from tokenmill.sched.output import ModelOutput, ScheduledChunk
+from tokenmill.sched.output import ModelOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.tokenizer import Tokenizer
 
 FakeModel = Callable[[Request, Sequence[int]], int]  # (sequence, drafts before) -> next token
@@ -32,18 +33,27 @@ class FakeLogprob:
     logprob: float
 
 
-class FakeRunner:
+class FakeExecutor(Executor):
+    """The engine's executor, with a fake model: KV is a dict slot -> (position, token), and
+    every read is checked against what earlier steps wrote."""
+
     def __init__(self, block_size: int, model: FakeModel,
-                 forced: Callable[[Request], Sequence[int]] | None = None) -> None:
+                 forced: Callable[[Request], Sequence[int]] | None = None,
+                 num_blocks: int = 1 << 20) -> None:
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.model = model
         self.forced = forced  # tokens appended after the scored ones (a grammar's forced text)
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
         self.num_executed = 0
         self.before_execute: Callable[[Sequence[ScheduledChunk]], None] | None = None
 
-    def execute(self, chunks: Sequence[ScheduledChunk], masks=None,
-                draft_probs=None) -> ModelOutput:
+    @property
+    def kv_capacity(self) -> int:
+        return self.num_blocks
+
+    def execute(self, out: SchedulerOutput, masks=None, draft_probs=None) -> ModelOutput:
+        chunks = out.scheduled
         # ``masks``: grammar masks, always None here (engines built from fakes have no grammar
         # backend; structured output is tested with the real model).
         assert masks is None
@@ -52,13 +62,13 @@ class FakeRunner:
         self.num_executed += 1
         self.check_reads(chunks)
         self.write(chunks)
-        out = ModelOutput()
+        result = ModelOutput()
         for c in chunks:
             if c.num_logits:
                 tokens = self.accepted(c)
-                out.token_ids[c.request_id] = tokens
-                out.logprobs[c.request_id] = [FakeLogprob(t, -0.25) for t in tokens]
-        return out
+                result.token_ids[c.request_id] = tokens
+                result.logprobs[c.request_id] = [FakeLogprob(t, -0.25) for t in tokens]
+        return result
 
     def accepted(self, c: ScheduledChunk) -> list[int]:
         drafts = c.draft_token_ids
@@ -83,7 +93,9 @@ class FakeRunner:
         for c in chunks:
             for i, token in enumerate(c.token_ids):
                 pos = c.start_pos + i
-                self.kv[slot_of(c.block_table, pos, self.block_size)] = (pos, token)
+                slot = slot_of(c.block_table, pos, self.block_size)
+                assert slot >= self.block_size, f"{c.request_id} writes the padding block 0"
+                self.kv[slot] = (pos, token)
 
     def check_prefix_cache(self, prefix_cache) -> None:
         """Every cached block holds the KV of exactly the tokens the tree files it under."""

@@ -170,3 +170,69 @@ def test_manager_integrity_catches_duplicate_block_in_table() -> None:
     table.append(table[0])
     with pytest.raises(CacheIntegrityError, match="bad block table"):
         manager.check_integrity()
+
+
+# ----- lookahead (a drafting model writes ahead of the scheduler) --------------------------
+
+def running_request(manager: KVBlockManager, prompt_len: int, request_id: str = "r") -> Request:
+    """A decoding sequence: KV for all but its last token."""
+    request = make_request(request_id, prompt_len)
+    assert manager.allocate_slots(request, prompt_len - 1)
+    request.num_computed_tokens = prompt_len - 1
+    return request
+
+
+def test_lookahead_grows_the_table_and_the_step_finds_it_there() -> None:
+    manager = KVBlockManager(num_blocks=10, block_size=4, watermark=0.0)
+    request = running_request(manager, 6)  # 5 computed: 2 blocks
+    assert manager.reserve_lookahead(request, 6 + 3 - 1)  # the drafts of k = 3 written
+    table = list(manager.block_table("r"))
+    assert len(table) == 2 and manager.reserve_lookahead(request, 11)  # 8 fit; 11 takes one
+    assert len(manager.block_table("r")) == 3 and manager.block_table("r")[:2] == table
+    free = manager.num_free_blocks
+    assert manager.allocate_slots(request, 1 + 3)  # the scheduled step: last token + 3 drafts
+    assert manager.num_free_blocks == free  # nothing more to take
+    request.num_computed_tokens += 4
+    assert manager.release_lookahead(request) == 0  # all of it used
+    manager.trim(request, 7)  # one draft accepted
+    assert len(manager.block_table("r")) == 2
+    manager.check_integrity()
+
+
+def test_unused_lookahead_goes_back_and_free_takes_it_too() -> None:
+    manager = KVBlockManager(num_blocks=10, block_size=4, watermark=0.0)
+    request = running_request(manager, 6)
+    assert manager.reserve_lookahead(request, 16)
+    assert manager.num_free_blocks == 9 - 4
+    assert manager.release_lookahead(request) == 2  # the step verified none of it
+    assert len(manager.block_table("r")) == 2
+    assert manager.num_free_blocks == 9 - 2 and manager.release_lookahead(request) == 0
+    manager.check_integrity()
+    assert manager.reserve_lookahead(request, 16)
+    manager.free(request, num_cacheable_tokens=request.num_computed_tokens)  # preempted
+    assert manager.num_free_blocks == 9 and manager.prefix_cache.num_cached_blocks == 1
+    assert manager.release_lookahead(request) == 0  # no table: nothing to do
+    manager.check_integrity()
+
+
+def test_lookahead_leaves_free_what_it_is_asked_to() -> None:
+    manager = KVBlockManager(num_blocks=6, block_size=4, watermark=0.0)  # 5 usable
+    request = running_request(manager, 6)  # 2 blocks, 3 free
+    assert not manager.reserve_lookahead(request, 16, keep_free=2)  # would take 2 of 3
+    assert len(manager.block_table("r")) == 2 and manager.num_free_blocks == 3
+    assert manager.reserve_lookahead(request, 16, keep_free=1)
+    assert not manager.reserve_lookahead(request, 21)  # 6 blocks: more than the pool has
+    with pytest.raises(CacheIntegrityError, match="holds no blocks"):
+        manager.reserve_lookahead(make_request("waiting"), 4)
+    manager.check_integrity()
+
+
+def test_lookahead_evicts_cached_prefixes_like_any_allocation() -> None:
+    manager = KVBlockManager(num_blocks=6, block_size=4, watermark=0.0)
+    old = running_request(manager, 9, "old")  # 8 computed: 2 full blocks
+    manager.free(old, num_cacheable_tokens=8)  # into the prefix cache
+    request = running_request(manager, 6)  # takes 2 of the 3 free
+    assert manager.pool.num_free_blocks == 1 and manager.num_free_blocks == 3
+    assert manager.reserve_lookahead(request, 20)  # 5 blocks: 3 more, 2 of them evicted
+    assert manager.prefix_cache.num_cached_blocks == 0 and manager.num_free_blocks == 0
+    manager.check_integrity()

@@ -186,7 +186,7 @@ def test_update_raising_midway_fails_the_requests_of_its_step(monkeypatch) -> No
     """A runner that loses one sequence's token: update_from_output has applied the chunks
     before it (bad-0 ends there) when it raises."""
     engine = engine_for_faults()
-    execute = engine.runner.execute
+    execute = engine.executor.execute
     steps = 0
 
     def lossy_execute(chunks, masks=None, draft_probs=None):
@@ -197,7 +197,7 @@ def test_update_raising_midway_fails_the_requests_of_its_step(monkeypatch) -> No
             del out.token_ids["bad-1#1"]
         return out
 
-    monkeypatch.setattr(engine.runner, "execute", lossy_execute)
+    monkeypatch.setattr(engine.executor, "execute", lossy_execute)
     finished, failures = run_checked(engine, BAD_REQUESTS, OK_REQUESTS)
     check_survivors(engine, finished, failures, BAD, "no sampled token for 'bad-1#1'")
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRunner, run_collecting_failures, word_tokenizer
+from tests.fakes import FakeExecutor, run_collecting_failures, word_tokenizer
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.engine.llm_engine import EngineInfo, LLMEngine
 from tokenmill.params import SamplingParams
@@ -68,7 +68,7 @@ def make_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max
                           CacheConfig(block_size=block_size, enable_prefix_caching=prefix_cache),
                           num_blocks=num_blocks, eos_token_ids=[EOS])
     info = EngineInfo("fake", VOCAB, 256, (num_blocks - 1) * block_size, max_seqs, block_size)
-    return LLMEngine(scheduler, FakeRunner(block_size, model, forced), word_tokenizer(VOCAB),
+    return LLMEngine(scheduler, FakeExecutor(block_size, model, forced), word_tokenizer(VOCAB),
                      info, proposer=proposer, seed=seed)
 
 
@@ -90,7 +90,7 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
 
 def check_step(engine: LLMEngine) -> None:
     engine.scheduler.check_integrity()
-    engine.runner.check_prefix_cache(engine.scheduler.block_manager.prefix_cache)
+    engine.executor.check_prefix_cache(engine.scheduler.block_manager.prefix_cache)
 
 
 def check_clean(engine: LLMEngine) -> None:
@@ -241,10 +241,10 @@ def test_abort_while_tokens_are_pending() -> None:
     engine.add_request("y", prompt(1), SamplingParams(max_tokens=20))
     engine.step()
     # The abort arrives while the runner computes the drafts' step.
-    engine.runner.before_execute = lambda chunks: engine.abort_request("x")
+    engine.executor.before_execute = lambda chunks: engine.abort_request("x")
     outs = engine.step()
     assert [o.request_id for o in outs] == ["y"]
-    engine.runner.before_execute = None
+    engine.executor.before_execute = None
     assert engine.abort_request("y") and not engine.abort_request("x")
     assert engine.step() == [] and not engine.has_unfinished_requests()
     assert set(engine.proposer.forgotten) == {"x", "y"}
@@ -279,22 +279,22 @@ def test_a_failing_model_step_fails_its_requests_and_the_engine_goes_on() -> Non
     def boom(chunks):
         raise RuntimeError("kernel fault")
 
-    engine.runner.before_execute = boom
+    engine.executor.before_execute = boom
     assert engine.step() == []
     assert engine.take_failures() == {"a": "the engine step failed: RuntimeError: kernel fault"}
-    engine.runner.before_execute = None
+    engine.executor.before_execute = None
     engine.add_request("b", prompt(1), SamplingParams(max_tokens=3))
     finished, failures = run_collecting_failures(engine)
     assert not failures and len(finished["b"].outputs[0].token_ids) == 3
     b_tokens = finished["b"].outputs[0].token_ids
     # Failing again and again, each time with requests to blame: each fails its own, and the
     # engine never gives up on the ones after (three bad requests must not stop the server).
-    engine.runner.before_execute = boom
+    engine.executor.before_execute = boom
     for i in range(5):
         engine.add_request(f"c{i}", prompt(2), SamplingParams(max_tokens=3))
         assert engine.step() == [] and list(engine.take_failures()) == [f"c{i}"]
         engine.scheduler.check_integrity()
-    engine.runner.before_execute = None
+    engine.executor.before_execute = None
     engine.add_request("d", prompt(1), SamplingParams(max_tokens=3))
     finished, failures = run_collecting_failures(engine)
     assert not failures and finished["d"].outputs[0].token_ids == b_tokens  # same prompt
@@ -341,7 +341,7 @@ def test_stats_and_last_step() -> None:
         engine.step()
     stats = engine.stats()
     assert stats.num_generated_tokens == 6 and stats.num_prompt_tokens_computed >= 3
-    assert stats.num_steps == engine.runner.num_executed and stats.step_seconds > 0
+    assert stats.num_steps == engine.executor.num_executed and stats.step_seconds > 0
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
 
 

@@ -285,7 +285,7 @@ def int8_llm():
 
 def test_real_model_reports_the_int8_capacity(int8_llm):
     info = int8_llm.engine.info
-    cfg = int8_llm.engine.runner.config
+    cfg = int8_llm.engine.executor.worker.config
     assert info.kv_cache_dtype == "int8"
     fp32_blocks = num_kv_blocks(cfg, 16, torch.float32, "cpu", KV_BUDGET)
     assert info.kv_cache_tokens == (num_kv_blocks(cfg, 16, torch.float32, "cpu", KV_BUDGET,
@@ -319,7 +319,7 @@ def test_real_model_next_token_agrees_teacher_forced(fp32_llm):
 
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = fp32_llm.generate(PROMPTS, greedy, use_tqdm=False)
-    model, cfg = fp32_llm.engine.runner.model, fp32_llm.engine.runner.config
+    model, cfg = fp32_llm.engine.executor.worker.model, fp32_llm.engine.executor.worker.config
     chunks, num_blocks = [], 1  # block 0: the tables' padding
     for o in outs:
         tokens = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
@@ -353,12 +353,12 @@ def test_real_model_with_a_bfloat16_cache_under_float32(fp32_llm):
 
     llm = LLM("smollm2-135m-instruct", kv_cache_memory=KV_BUDGET, block_size=16,
               dtype="float32", kv_cache_dtype="bfloat16")
-    info, cfg = llm.engine.info, llm.engine.runner.config
+    info, cfg = llm.engine.info, llm.engine.executor.worker.config
     assert info.kv_cache_dtype == "bfloat16" and info.dtype == "float32"
     blocks = num_kv_blocks(cfg, 16, torch.float32, "cpu", KV_BUDGET, kv_cache_dtype="bfloat16")
     assert info.kv_cache_tokens == (blocks - 1) * 16
     assert blocks >= 2 * num_kv_blocks(cfg, 16, torch.float32, "cpu", KV_BUDGET)
-    k_cache = llm.engine.runner.kv_caches[0][0]
+    k_cache = llm.engine.executor.worker.kv_caches[0][0]
     assert k_cache.dtype == torch.bfloat16
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     auto = [o.outputs[0] for o in fp32_llm.generate(PROMPTS, greedy, use_tqdm=False)]

@@ -50,7 +50,7 @@ def test_outputs_identical_with_cache_on_and_off(llm):
                           CacheConfig(block_size=BS, enable_prefix_caching=False),
                           num_blocks=engine.scheduler.block_manager.pool.num_blocks,
                           eos_token_ids=engine.eos_token_ids)
-    no_cache = LLM(engine=LLMEngine(scheduler, engine.runner, engine.tokenizer, engine.info))
+    no_cache = LLM(engine=LLMEngine(scheduler, engine.executor, engine.tokenizer, engine.info))
     no_cache.generate([warm, base], GREEDY, use_tqdm=False)
     plain = no_cache.generate(prompts, GREEDY, use_tqdm=False)
     assert scheduler.block_manager.prefix_cache.num_cached_blocks == 0

@@ -1,7 +1,7 @@
 """Scheduler driven by a fake model (no torch): batches, preemption, n > 1, stops, aborts,
 draft tokens and their rollback.
 
-``tests.fakes.FakeRunner`` keeps a (position, token) record per KV slot and checks, before
+``tests.fakes.FakeExecutor`` keeps a (position, token) record per KV slot and checks, before
 writing a step's tokens, that every chunk finds its whole history where its block table says:
 that is what attention would read, so it catches shared, reused, forgotten or rolled-back
 blocks, not just bookkeeping.
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import FakeRunner
+from tests.fakes import FakeExecutor
 from tokenmill.cache import CacheIntegrityError, KVBlockManager
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.params import SamplingParams
@@ -78,7 +78,7 @@ class Driver:
 
     def __init__(self, scheduler: Scheduler, proposer: Proposer | None = None) -> None:
         self.scheduler = scheduler
-        self.runner = FakeRunner(scheduler.block_size, fake_token)
+        self.runner = FakeExecutor(scheduler.block_size, fake_token)
         self.proposer = proposer
         self.outputs: list[SchedulerOutput] = []
 
@@ -89,7 +89,7 @@ class Driver:
         output = self.scheduler.schedule()
         check_output(self.scheduler, output)
         self.scheduler.check_integrity()
-        result = self.runner.execute(output.scheduled)
+        result = self.runner.execute(output)
         self.scheduler.update_from_output(output, result.token_ids)
         self.scheduler.check_integrity()
         self.runner.check_prefix_cache(self.scheduler.block_manager.prefix_cache)
@@ -567,7 +567,7 @@ def test_rollback_of_two_of_three_drafts_frees_their_block() -> None:
     output = scheduler.schedule()
     assert output.scheduled[0].num_drafts == 3
     assert len(scheduler.block_manager.block_table("x")) == 3
-    result = driver.runner.execute(output.scheduled)
+    result = driver.runner.execute(output)
     assert result.token_ids["x"] == [fake_token_at(request, 1), fake_token_at(request, 2)]
     update, = scheduler.update_from_output(output, result.token_ids)
     assert (update.new_token_ids, update.num_rejected) == (result.token_ids["x"], 2)

@@ -27,7 +27,7 @@ class FakeEngine:
         self.step_seconds = step_seconds
         self.fail = False
         self.thread_ids: set[int] = set()
-        self.engine.runner.before_execute = self._before_execute
+        self.engine.executor.before_execute = self._before_execute
         for name in ("add_request", "abort_request", "step"):
             setattr(self.engine, name, self._recorded(getattr(self.engine, name)))
 
@@ -251,14 +251,14 @@ def test_shutdown_lets_running_requests_finish_and_refuses_new_ones():
 
 
 def test_watchdog_marks_an_overlong_step_unhealthy_until_it_ends(caplog):
-    from tokenmill.server.app import _Watchdog
+    from tokenmill.server.health import Watchdog
 
     fake = FakeEngine(step_seconds=0.6)
 
     async def main():
         engine = AsyncEngine(fake.engine)
         engine.start()
-        watchdog = _Watchdog(engine, step_timeout=0.2)
+        watchdog = Watchdog(engine, step_timeout=0.2)
         watch = asyncio.create_task(watchdog.run())
         seen = []
         task = asyncio.create_task(_consume(engine, "slow", 2))  # two 0.6 s steps

@@ -16,8 +16,10 @@ from tests.test_engine_real import GREEDY, PROMPTS, assert_all_blocks_free
 from tests.test_engine_unit import make_engine, run
 from tokenmill import LLM, SamplingParams, StructuredOutputs
 from tokenmill.request import Request
-from tokenmill.spec import AdaptivePolicy, NgramProposer, SpeculativeDecoder
-from tokenmill.spec.policy import AcceptanceTracker, LinearCost, StepCost
+from tokenmill.cache import KVBlockManager
+from tokenmill.speculative import AdaptivePolicy, ModelDrafter, NgramProposer, SpeculativeDecoder
+from tokenmill.speculative.policy import AcceptanceTracker, LinearCost, StepCost
+from tokenmill.util import cdiv
 
 # ----- n-gram lookup ----------------------------------------------------------------------------
 
@@ -264,7 +266,7 @@ def test_no_draft_pushes_a_waiting_prompt_out_of_the_step() -> None:
             (r.request_id for r in sched.running if r.num_output_tokens), 4))
         steps["full, drafts found"] += left_out and any(found.values())
 
-    engine.runner.before_execute = check
+    engine.executor.before_execute = check
     outputs = run(engine, requests)
     assert not steps["a draft took a prompt's place"], steps
     assert steps["with drafts"] >= 8 and steps["full, drafts found"] >= 8, steps
@@ -305,9 +307,10 @@ def spec_llm(request):
 
 
 def assert_drafter_empty(llm) -> None:
-    drafter = getattr(llm.engine.proposer.method, "free_blocks", None)
-    if drafter is not None:
-        assert sorted(drafter) == list(range(1, len(drafter) + 1))  # every block back
+    drafter = llm.engine.proposer.method
+    if isinstance(drafter, ModelDrafter):  # its KV went with the sequences' blocks
+        assert not drafter._seqs and not drafter._lookahead
+        assert drafter.blocks is llm.engine.scheduler.block_manager
 
 
 def test_greedy_identical_batched_and_alone(spec_llm, alone):
@@ -370,14 +373,18 @@ def test_stops_max_tokens_logprobs_and_n_inside_accepted_runs(spec_llm, alone):
     assert_drafter_empty(spec_llm)
 
 
-def test_preemption_under_speculation_keeps_outputs_exact(alone):
+@pytest.mark.parametrize("method", ["ngram", "layerskip"])
+def test_preemption_under_speculation_keeps_outputs_exact(alone, method):
+    """A drafter's KV is in the sequences' blocks: a preemption frees it with them, and the
+    drafter starts that sequence over when it runs again."""
     llm = LLM("smollm2-135m-instruct", num_blocks=13, block_size=16, dtype="float32",
-              **METHODS["ngram"])
+              **METHODS[method])
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [a.token_ids for a in alone]
     assert llm.engine.num_preemptions > 0
     assert llm.engine.stats().spec.num_draft_tokens > 0
     assert_all_blocks_free(llm.engine)
+    assert_drafter_empty(llm)
 
 
 def test_seeded_sampling_reproduces_and_ngram_changes_nothing(plain, spec_llm):
@@ -436,7 +443,7 @@ def exact_next_distributions(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor,
     over every path), computed by batched forwards on an idle engine."""
     from tokenmill.runner.batch import Chunk
 
-    runner = llm.engine.runner
+    runner = llm.engine.executor.worker
 
     def next_probs(histories: list[list[int]]) -> torch.Tensor:
         chunks = [Chunk(h, 0, [1 + i]) for i, h in enumerate(histories)]  # one block each
@@ -481,45 +488,189 @@ def test_sampled_tokens_follow_the_target_with_a_bad_draft(tiny_pair):
     assert_drafter_empty(llm)
 
 
+def running(manager: KVBlockManager, request: Request) -> Request:
+    """A new ``request`` as the scheduler leaves a decoding sequence: KV for all but its last
+    token, in blocks of its own."""
+    assert manager.allocate_slots(request, request.num_tokens - 1)
+    request.num_computed_tokens = request.num_tokens - 1
+    return request
+
+
+def verified(manager: KVBlockManager, drafter: ModelDrafter, request: Request,
+             drafts: list[int], new_tokens: list[int]) -> None:
+    """A step as the engine runs it: the scheduler allocates for the last token and the
+    drafts (finding the drafter's lookahead there), the decoder's observe gives back what the
+    step did not use, the update appends the new tokens and trims the rejected drafts."""
+    assert manager.allocate_slots(request, 1 + len(drafts))
+    request.num_computed_tokens += 1 + len(drafts)
+    drafter.end_step()
+    request.output_token_ids += new_tokens
+    request.num_computed_tokens = request.num_tokens - 1
+    manager.trim(request, request.num_computed_tokens)
+    manager.check_integrity()
+    assert len(manager.block_table(request.request_id)) == \
+        cdiv(request.num_computed_tokens, manager.block_size)
+
+
+def fresh_drafts(loaded, request: Request, k: int) -> list[int]:
+    manager = KVBlockManager(32, 4, enable_prefix_caching=False)
+    copy = Request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
+                   output_token_ids=list(request.output_token_ids))
+    drafter = ModelDrafter(loaded.model, loaded.config, manager, device="cpu")
+    return drafter.propose([running(manager, copy)], {copy.request_id: k}).token_ids["r"]
+
+
 def test_drafter_rolls_its_cache_back_to_what_was_accepted(tiny_pair):
-    """Drafts after a partial acceptance equal a fresh drafter's: no rejected draft's KV is read."""
+    """Drafts after a partial acceptance equal a fresh drafter's: no rejected draft's KV is
+    read. The draft KV sits in the sequence's own blocks, grown ahead of the step for the
+    drafts and given back after it."""
     from tokenmill.model.loader import load_model
-    from tokenmill.spec import ModelDrafter
-
-    target, _ = tiny_pair
-    loaded = load_model(target, "cpu", "float32")
-
-    def drafter() -> ModelDrafter:
-        return ModelDrafter(loaded.model, loaded.config, num_blocks=16, block_size=4,
-                            device="cpu")
-
-    request = Request("r", [5, 17, 3, 60, 41, 8, 90], SamplingParams(temperature=0.0))
-    reused = drafter()
-    first = reused.propose([request], {"r": 4}).token_ids["r"]
-    assert len(first) == 4
-    # the target kept the first draft, then chose another token than the second
-    request.output_token_ids = [first[0], (first[1] + 1) % 96]
-    again = reused.propose([request], {"r": 4})
-    fresh = drafter().propose([request], {"r": 4})
-    assert again.token_ids == fresh.token_ids and again.probs == {"r": [None] * 4}
-    # everything accepted and one more token: the cache keeps all of it
-    request.output_token_ids += [*again.token_ids["r"], 7]
-    assert reused.propose([request], {"r": 2}).token_ids == \
-        drafter().propose([request], {"r": 2}).token_ids
-    reused.forget(["r"])
-    assert sorted(reused.free_blocks) == list(range(1, 16))
-
-
-def test_drafter_skips_what_its_cache_cannot_hold(tiny_pair):
-    from tokenmill.model.loader import load_model
-    from tokenmill.spec import ModelDrafter
 
     loaded = load_model(tiny_pair[0], "cpu", "float32")
-    small = ModelDrafter(loaded.model, loaded.config, num_blocks=4, block_size=4, device="cpu")
-    long = Request("long", list(range(1, 30)), SamplingParams(temperature=0.0))
-    short = Request("short", [1, 2, 3], SamplingParams(temperature=0.0))
-    out = small.propose([long, short], {"long": 3, "short": 2})
+    manager = KVBlockManager(16, 4, enable_prefix_caching=False)
+    drafter = ModelDrafter(loaded.model, loaded.config, manager, device="cpu")
+    assert not hasattr(drafter, "free_blocks")
+    request = running(manager, Request("r", [5, 17, 3, 60, 41, 8, 90],
+                                       SamplingParams(temperature=0.0)))
+    first = drafter.propose([request], {"r": 4}).token_ids["r"]
+    assert len(first) == 4
+    # the lookahead: 7 tokens + 3 drafts written, in the sequence's table, from the pool
+    assert len(manager.block_table("r")) == 3 and manager.pool.num_free_blocks == 15 - 3
+    # the target kept the first draft, then chose another token than the second
+    verified(manager, drafter, request, first, [first[0], (first[1] + 1) % 96])
+    again = drafter.propose([request], {"r": 4})
+    assert again.token_ids["r"] == fresh_drafts(loaded, request, 4)
+    assert again.probs == {"r": [None] * 4}
+    # everything accepted and one more token: the cache keeps all of it
+    verified(manager, drafter, request, again.token_ids["r"], [*again.token_ids["r"], 7])
+    assert drafter.propose([request], {"r": 2}).token_ids["r"] == \
+        fresh_drafts(loaded, request, 2)
+    drafter.forget(["r"])
+    manager.free(request)
+    assert manager.pool.num_free_blocks == 15 and not drafter._seqs
+    manager.check_integrity()
+
+
+def test_drafter_leaves_free_what_running_sequences_need(tiny_pair):
+    """A lookahead never takes the block another sequence's own next token needs: that
+    sequence drafts nothing this step instead, and the scheduler has no one to preempt."""
+    from tokenmill.model.loader import load_model
+
+    loaded = load_model(tiny_pair[0], "cpu", "float32")
+    manager = KVBlockManager(8, 4, enable_prefix_caching=False)  # 7 usable blocks
+    drafter = ModelDrafter(loaded.model, loaded.config, manager, device="cpu")
+    long = running(manager, Request("long", list(range(1, 21)), SamplingParams(temperature=0)))
+    short = running(manager, Request("short", [1, 2, 3, 4, 5], SamplingParams(temperature=0)))
+    assert manager.num_free_blocks == 1  # which short's fifth token needs
+    out = drafter.propose([long, short], {"long": 3, "short": 2})
     assert "long" not in out.token_ids and len(out.token_ids["short"]) == 2
+    assert len(manager.block_table("long")) == 5 and len(manager.block_table("short")) == 2
+    drafter.end_step()  # nothing verified: short's lookahead goes back
+    assert len(manager.block_table("short")) == 1 and manager.num_free_blocks == 1
+    manager.check_integrity()
+
+
+def test_the_lookahead_must_fit_the_context(tiny_pair):
+    from tokenmill.model.loader import load_model
+
+    loaded = load_model(tiny_pair[0], "cpu", "float32")
+    manager = KVBlockManager(64, 4, enable_prefix_caching=False)
+    drafter = ModelDrafter(loaded.model, replace(loaded.config, max_position_embeddings=9),
+                           manager, device="cpu")
+    request = running(manager, Request("r", list(range(1, 8)), SamplingParams(temperature=0)))
+    assert len(drafter.propose([request], {"r": 5}).token_ids["r"]) == 2
+    assert len(manager.block_table("r")) == 2  # 7 tokens + 1 draft written
+
+
+class ReferenceDraft:
+    """The draft model's greedy token after a history, computed from scratch each time."""
+
+    def __init__(self, loaded) -> None:
+        from tokenmill.runner.kv_cache import allocate_kv_cache
+
+        self.model = loaded.model
+        self.caches = allocate_kv_cache(loaded.config, 80, 4, "cpu", torch.float32)
+        self.memo: dict[tuple[int, ...], int] = {}
+
+    def __call__(self, history: list[int]) -> int:
+        from tokenmill.runner.batch import Chunk, build_flat_batch
+
+        key = tuple(history)
+        if key not in self.memo:
+            table = list(range(1, cdiv(len(key), 4) + 1))
+            batch = build_flat_batch([Chunk(list(key), 0, table, num_logits=1)], 4, "cpu")
+            with torch.inference_mode():
+                logits = self.model(batch.input_ids, batch.positions, self.caches, batch.meta,
+                                    batch.logits_indices)
+            self.memo[key] = int(logits[0].argmax())
+        return self.memo[key]
+
+
+class CheckedDrafter(ModelDrafter):
+    """Every draft must be the draft model's greedy token after the sequence and the drafts
+    before it: KV the drafter did not write, or a rejected draft's, would change them."""
+
+    def __init__(self, reference: ReferenceDraft, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reference = reference
+        self.num_checked = 0
+
+    def propose(self, requests, num_tokens):
+        out = super().propose(requests, num_tokens)
+        for r in requests:
+            drafts = out.token_ids.get(r.request_id, [])
+            history = r.all_token_ids
+            for d in drafts:
+                assert d == self.reference(history), r.request_id
+                history.append(d)
+            # written into the sequence's own table, grown ahead of the step
+            held = len(self.blocks.block_table(r.request_id)) * self.block_size
+            assert not drafts or held >= r.num_tokens + len(drafts) - 1
+            self.num_checked += bool(drafts)
+        return out
+
+
+@pytest.mark.parametrize("budget, num_blocks", [(64, 20), (10, 12)])  # (10: drafts cut short)
+def test_drafter_kv_lives_in_the_sequences_blocks(tiny_pair, budget, num_blocks):
+    """A real draft model proposing for the engine's scheduler (a fake target that agrees with
+    it two times in three): through prefix-cache hits, n > 1 forks, rejections and
+    preemptions, every draft is the one a fresh computation gives, every step ends with exact
+    block tables (``check_integrity``), and every block comes back; block 0 is never written."""
+    from tests.test_engine_unit import make_engine
+    from tokenmill.model.loader import load_model
+
+    loaded = load_model(tiny_pair[1], "cpu", "float32")
+    reference = ReferenceDraft(loaded)
+
+    def target(request: Request, drafts_before) -> int:
+        history = [*request.all_token_ids, *drafts_before]
+        if len(history) % 3:
+            return reference(history)
+        return 10 + (history[-1] * 7 + len(history)) % 80
+
+    shared = [11, 12, 13, 14, 15, 16, 17, 18]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    requests = {"a": ([*shared, 40, 41, 42], params), "b": ([*shared, 50, 51, 52], params),
+                "c": ([20, 21, 22, 23, 24, 25, 26], replace(params, n=2)),
+                "d": ([30, 31, 32, 33, 34], params), "e": ([60, 61, 62, 63, 64, 65], params)}
+    engine = make_engine(num_blocks=num_blocks, block_size=4, budget=budget, model=target)
+    drafter = CheckedDrafter(reference, loaded.model, loaded.config,
+                             engine.scheduler.block_manager, device="cpu")
+    engine.proposer = SpeculativeDecoder(drafter, max_k=3, name="draft", adaptive=False,
+                                         max_num_batched_tokens=budget)
+    # then prompts that find the first ones' blocks in the prefix cache, draft KV and all
+    later = {"f": ([*shared, 40, 41, 42, 70], params), "g": ([*shared, 71], params)}
+    plain_engine = make_engine(num_blocks=num_blocks, block_size=4, budget=budget, model=target)
+    for batch in (requests, later):
+        outputs, plain = run(engine, batch), run(plain_engine, batch)
+        assert {r: [c.token_ids for c in o.outputs] for r, o in outputs.items()} == \
+            {r: [c.token_ids for c in o.outputs] for r, o in plain.items()}
+    stats = engine.proposer.stats()
+    assert engine.num_preemptions > 0 and drafter.num_checked > 20
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert engine.stats().prefix_cache_hits >= 8 + 8
+    assert not drafter._seqs and not drafter._lookahead
+    assert all(not k[0].any() and not v[0].any() for k, v in drafter.kv_caches)
 
 
 def test_a_draft_model_must_share_the_vocabulary(tiny_pair, tmp_path):

@@ -299,8 +299,8 @@ def test_json_object_and_whitespace_pattern(llm):
 
 
 def test_auto_tool_grammar_checks_calls_and_leaves_text_free(backend):
-    from tokenmill.structured.tool_parsers import get_tool_parser
-    from tokenmill.structured.tools import tool_choice_constraint
+    from tokenmill.server.tools.parsers import get_tool_parser
+    from tokenmill.server.tools.choice import tool_choice_constraint
 
     tok, b = backend
     tools = [{"type": "function", "function": {"name": "add", "parameters": {

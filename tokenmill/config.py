@@ -84,7 +84,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (``tokenmill/spec/``): a proposer drafts up to
+    """Speculative decoding (``tokenmill/speculative/``): a proposer drafts up to
     ``num_speculative_tokens`` tokens per sequence and step, verified in the target's forward."""
 
     speculative_method: str | None = None  # None (off) | "ngram" | "draft" | "layerskip"

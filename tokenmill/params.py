@@ -1,25 +1,40 @@
-"""Sampling parameters: pure, validated, immutable data (no torch, no tokenizer).
+"""Sampling parameters and output constraints: pure, validated, immutable data (no torch, no
+tokenizer, no grammar library).
 
 Every check raises ``ValueError`` naming the offending field, so the server can turn it into a
 400 response verbatim.
+
+``StructuredOutputs`` is the offline API's ``SamplingParams.structured_outputs`` and what every
+request field of the server (``response_format``, vLLM's ``structured_outputs`` and
+``guided_*``, tool choice) turns into (``structured/spec.py::from_request``). Exactly one
+constraint is set. ``key`` identifies the compiled grammar, so equal constraints share one
+compilation.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-
-from tokenmill.structured.spec import StructuredOutputs
+from typing import Any
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+class ParamError(ValueError):
+    """A parameter out of its range; ``param`` names the field (a server's 400 reports it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _require(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        raise ParamError(name, f"{name} {rule}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -66,8 +81,8 @@ class SamplingParams:
         self._check_stops()
         if self.structured_outputs is not None and \
                 not isinstance(self.structured_outputs, StructuredOutputs):
-            raise ValueError(f"structured_outputs must be a StructuredOutputs, got "
-                             f"{type(self.structured_outputs).__name__}")
+            raise ParamError("structured_outputs", f"structured_outputs must be a "
+                             f"StructuredOutputs, got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -113,3 +128,105 @@ class SamplingParams:
             _require(isinstance(s, str) and s != "", "stop", "must hold non-empty strings", s)
         for t in self.stop_token_ids:
             _require(_is_int(t) and t >= 0, "stop_token_ids", "must hold token ids >= 0", t)
+
+
+# ----- output constraints ----------------------------------------------------------------------
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class ConstraintError(ValueError):
+    """A constraint that is malformed or does not compile; ``param`` names the request field
+    it came from (the server's 400 reports it)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One output constraint.
+
+    - ``json``: a JSON schema (a dict or its JSON text);
+    - ``regex``: the whole output matches it;
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: a context-free grammar, in Lark syntax or GBNF (``root ::= ...``);
+    - ``json_object``: any JSON object.
+
+    ``whitespace_pattern`` (JSON only) is a regex for the whitespace allowed between tokens of
+    the JSON text. None (the default) allows none (compact ``,`` and ``:`` separators), so a
+    model cannot pad blanks until ``max_tokens`` and the forced text between values (keys,
+    quotes, braces) can be jumped over.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    whitespace_pattern: str | None = None
+    param: str = "structured_outputs"  # the request field it came from, for error messages
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            if not isinstance(self.json, Mapping):
+                raise ConstraintError(f"a JSON schema must be an object, got "
+                                      f"{type(self.json).__name__}", self.param)
+            object.__setattr__(self, "json", json.dumps(self.json))  # key order is output order
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not isinstance(choice, Sequence) or not choice \
+                    or not all(isinstance(c, str) and c for c in choice):
+                raise ConstraintError(f"choice must be a non-empty list of non-empty strings, "
+                                      f"got {choice!r}", self.param)
+            object.__setattr__(self, "choice", tuple(choice))
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConstraintError(f"{name} must be a non-empty string, got {value!r}",
+                                      self.param)
+        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ConstraintError(f"exactly one of {', '.join(KINDS)} must be set, got "
+                                  f"{set_kinds or 'none'}", self.param)
+        if self.whitespace_pattern is not None and self.kind not in ("json", "json_object"):
+            raise ConstraintError("whitespace_pattern applies to JSON only", self.param)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, str | None]:
+        """Equal keys compile to the same grammar."""
+        value = getattr(self, self.kind)
+        text = json.dumps(value) if self.kind == "choice" else str(value)
+        return self.kind, text, self.whitespace_pattern
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], param: str = "structured_outputs"
+                  ) -> StructuredOutputs | None:
+        """vLLM's ``structured_outputs`` object. Keys it defines that tokenmill does not
+        implement are refused by name; an object with no constraint is None."""
+        if not isinstance(data, Mapping):
+            raise ConstraintError("must be an object", param)
+        unknown = set(data) - _DICT_KEYS - _IGNORED_KEYS
+        if unknown:
+            raise ConstraintError(f"unsupported field(s) {sorted(unknown)}; supported: "
+                                  f"{sorted(_DICT_KEYS)}", param)
+        kw = {k: data[k] for k in _DICT_KEYS if data.get(k) not in (None, False)}
+        if kw.pop("disable_any_whitespace", None) and "whitespace_pattern" in kw:
+            raise ConstraintError("disable_any_whitespace and whitespace_pattern conflict", param)
+        if not kw or set(kw) == {"whitespace_pattern"}:
+            return None
+        return cls(**kw, param=param)
+
+
+# vLLM's StructuredOutputsParams fields. `disable_any_whitespace` asks for what is already the
+# default here. Ignored: `backend` and `disable_fallback` choose among libraries, and tokenmill
+# has one, which never falls back; `disable_additional_properties` tunes one library's handling
+# of objects that say nothing about extra keys, which tokenmill always closes (backend.py).
+_DICT_KEYS = {"json", "regex", "choice", "grammar", "json_object", "whitespace_pattern",
+              "disable_any_whitespace"}
+_IGNORED_KEYS = {"backend", "disable_fallback", "disable_additional_properties"}

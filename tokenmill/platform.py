@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import platform
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,18 +55,19 @@ def cpu_features() -> set[str]:
     return cpu_flags()
 
 
-def choose_dtype(device: str, requested: str | None = "auto") -> tuple[str, str]:
-    """(dtype, why) for ``--dtype`` ``requested`` on ``device``. ``auto`` takes bfloat16 where
-    the hardware multiplies it natively (AMX or AVX512-BF16 on a CPU; a GPU that supports it)
-    and float32 otherwise on a CPU (float16 on an older GPU): emulated bf16 on a CPU without
-    those units is several times slower than float32."""
+def choose_dtype(device: str, requested: str | None = "auto",
+                 machine: Machine | None = None) -> tuple[str, str]:
+    """(dtype, why) for ``--dtype`` ``requested`` on ``device`` (or the described ``machine``).
+    ``auto`` takes bfloat16 where the hardware multiplies it natively (AMX or AVX512-BF16 on a
+    CPU; a GPU that supports it) and float32 otherwise on a CPU (float16 on an older GPU):
+    emulated bf16 on a CPU without those units is several times slower than float32."""
     if requested not in (None, "auto"):
         return requested, "asked for"
     if device.startswith("cuda"):
-        if torch.cuda.is_bf16_supported():
+        if machine.gpu_bf16 if machine is not None else torch.cuda.is_bf16_supported():
             return "bfloat16", "the GPU supports bfloat16"
         return "float16", "the GPU lacks bfloat16"
-    feats = cpu_features()
+    feats = machine.features if machine is not None else cpu_features()
     native = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
               if flag in feats]
     if native:
@@ -89,6 +91,18 @@ def choose_kv_cache_dtype(device: str, requested_dtype: str | None, dtype: str,
         return "bfloat16", ("float32 weights for want of native bfloat16: K/V stored in "
                             "bfloat16 halve decode attention's memory traffic")
     return "auto", f"the compute dtype ({dtype})"
+
+
+def host_memory_available() -> int:
+    """MemAvailable of the host (4 GiB where /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
 
 
 def usable_cores() -> int:
@@ -133,3 +147,88 @@ def configure_threads(n: int | None = None) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a load-time plan is made for: the device and, on a CPU, its model, instruction sets
+    and cores, and whether tokenmill's C++ kernels are built. ``detect`` reads this machine; a
+    test describes another (``Machine.described("avx2")``) and plans for it without it."""
+
+    device: str = "cpu"  # "cpu" or "cuda[:n]"
+    cpu_model: str = "unknown"
+    features: frozenset[str] = field(default_factory=frozenset)  # cpu_features() names
+    cores: int = 1
+    kernels_built: bool = False  # the C++ CPU kernels compiled and loaded (kernels/cpu.py)
+    gpu_name: str = ""
+    gpu_capability: tuple[int, int] | None = None  # CUDA compute capability
+    gpu_bf16: bool = False
+    memory_bytes: int = 0  # free memory where the KV cache will live (host: MemAvailable)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.split(":")[0] == "cuda"
+
+    def has(self, *flags: str) -> bool:
+        return all(f in self.features for f in flags)
+
+    @property
+    def kernel_caps(self) -> KernelCaps:
+        """What the C++ kernels compiled with ``-march=native`` on this CPU offer (the macros
+        their sources test); nothing without a build or on a GPU."""
+        if self.on_gpu or not self.kernels_built:
+            return KernelCaps()
+        avx512, avx2 = self.has("avx512f"), self.has("avx2")
+        return KernelCaps(attention=avx512 or avx2, bf16_gemm=self.has("avx512_bf16"),
+                          f32_gemm=avx512 or avx2, a8_gemm=avx2,
+                          int8_dot=self.has("avx512_vnni"), amx=self.has("amx_bf16"))
+
+    @classmethod
+    def detect(cls, device: str = "cpu", kernels_built: bool = False) -> Machine:
+        """This machine. ``kernels_built``: whether the C++ CPU kernels loaded (the caller
+        knows: ``kernels/cpu.py`` sits above this module)."""
+        if device.split(":")[0] == "cuda":
+            cap = torch.cuda.get_device_capability(device)
+            return cls(device=device, gpu_name=torch.cuda.get_device_name(device),
+                       gpu_capability=cap, gpu_bf16=torch.cuda.is_bf16_supported(),
+                       cores=usable_cores(), cpu_model=_proc_cpuinfo()[0],
+                       memory_bytes=torch.cuda.mem_get_info(device)[0])
+        return cls(device=device, cpu_model=_proc_cpuinfo()[0],
+                   features=frozenset(cpu_features() | cpu_flags()), cores=usable_cores(),
+                   kernels_built=kernels_built, memory_bytes=host_memory_available())
+
+    @classmethod
+    def described(cls, kind: str, cores: int = 2) -> Machine:
+        """A machine of a known class, for plans made without it: ``avx2`` (an AVX2-only EPYC),
+        ``avx512-bf16`` (AVX512 with native bf16 dot products, no AMX), ``amx`` (a Xeon with
+        AMX), ``cuda`` (an H100), ``bare`` (no compiler: the PyTorch paths)."""
+        isa = {"bare": {"avx2"}, "avx2": {"avx2"},
+               "avx512-bf16": {"avx2", "avx512f", "avx512_vnni", "avx512_bf16"},
+               "amx": {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
+                       "amx_int8"}}
+        if kind == "cuda":
+            return cls(device="cuda", gpu_name="NVIDIA H100", gpu_capability=(9, 0),
+                       gpu_bf16=True, cores=cores, memory_bytes=80 << 30)
+        if kind not in isa:
+            raise ValueError(f"unknown machine class {kind!r}; use one of "
+                             f"{', '.join([*isa, 'cuda'])}")
+        return cls(device="cpu", cpu_model=f"described: {kind}", features=frozenset(isa[kind]),
+                   cores=cores, kernels_built=kind != "bare", memory_bytes=16 << 30)
+
+    def describe(self) -> dict[str, object]:
+        if self.on_gpu:
+            return {"gpu": self.gpu_name, "capability": self.gpu_capability}
+        return {"cpu": self.cpu_model, "isa": [f for f in ISA_FLAGS if f in self.features],
+                "cores": self.cores, "cpu_kernels": self.kernels_built}
+
+
+@dataclass(frozen=True)
+class KernelCaps:
+    """The C++ CPU kernels' families present in a build (all False: none built)."""
+
+    attention: bool = False  # paged attention, store_kv, norms, RoPE (AVX2 or AVX512)
+    bf16_gemm: bool = False  # packed bf16 GEMM and few-row bf16 linear (AVX512-BF16)
+    f32_gemm: bool = False  # packed float32 GEMM, 4/8-bit weights widened in it
+    a8_gemm: bool = False  # 4/8-bit weights times int8 rows of x (AVX2 vpmaddubsw)
+    int8_dot: bool = False  # W8A8 / W4A8 on AVX512-VNNI
+    amx: bool = False  # oneDNN multiplies bf16 on AMX tiles (the packed GEMM does not)

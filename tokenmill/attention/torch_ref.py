@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
 from tokenmill.attention.kv_quant import is_quantized, unpack
+from tokenmill.util import cdiv
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -50,7 +51,7 @@ def _gather_kv(kv_cache, block_table: torch.Tensor, seq_len: int, dtype: torch.d
     """K/V of one request's first seq_len tokens, read through its block table."""
     k_cache, v_cache = kv_cache
     block_size = k_cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     ids = block_table[:num_blocks]
     k = _read_blocks(k_cache, ids, dtype).flatten(0, 1)[:seq_len]  # (seq_len, kvh, head_dim)
     v = _read_blocks(v_cache, ids, dtype).flatten(0, 1)[:seq_len]
@@ -101,7 +102,7 @@ def _batched_decode(q: torch.Tensor, kv_cache, block_tables: torch.Tensor,
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    num_blocks = -(-max_len // block_size)
+    num_blocks = cdiv(max_len, block_size)
     ids = block_tables[:, :num_blocks].reshape(-1)
     kv_shape = (num_reqs, num_blocks * block_size, num_kv_heads, head_dim)
     # (reqs, blocks * block_size, kvh, d) -> (reqs, kvh, L, d)

@@ -1,6 +1,6 @@
 """Paged KV cache bookkeeping (no torch): the block pool and the per-request block tables."""
 
-from tokenmill.cache.block_manager import KVBlockManager, cdiv, slot_of
+from tokenmill.cache.block_manager import KVBlockManager, slot_of
 from tokenmill.cache.block_pool import NULL_BLOCK, BlockPool, CacheIntegrityError
 
-__all__ = ["NULL_BLOCK", "BlockPool", "CacheIntegrityError", "KVBlockManager", "cdiv", "slot_of"]
+__all__ = ["NULL_BLOCK", "BlockPool", "CacheIntegrityError", "KVBlockManager", "slot_of"]

@@ -17,12 +17,20 @@ Block layout and slot mapping (block_size = 4 here, 16 by default)::
                                         sequence computes its prompt tail in a block of its own
 
 Blocks are never over-allocated: a table always holds exactly ceil(tokens / block_size) blocks
-for the tokens computed so far (including those scheduled this step).
+for the tokens computed so far (including those scheduled this step); only a drafter's lookahead
+runs ahead of that, within a step.
 
 Prefix caching (``cache/radix.py``): on admission ``acquire_cached_prefix`` starts a table with
 the cached blocks of the longest matching prefix (one more reference each, the tree path
 locked); ``free`` gives a finished or preempted sequence's full blocks to the tree before
 dropping its references. Free blocks = the pool's free queue + what the tree could evict.
+
+Lookahead (a drafting model): before a step is scheduled, ``reserve_lookahead`` grows a
+running sequence's table over the positions its drafter is about to write (the draft model's
+cache tensors are indexed by the same block ids), so draft KV is allocated, shared, trimmed and
+freed with the sequence's blocks. The scheduler's allocation then finds those blocks there;
+``release_lookahead`` gives back what the step did not use, so between steps a table holds
+exactly the blocks of its computed tokens again.
 
 Rollback (speculative decoding): a step may write KV for draft tokens that verification then
 rejects. ``trim`` shrinks the table back to the verified tokens and frees the blocks that held
@@ -41,10 +49,7 @@ from collections import Counter
 from tokenmill.cache.block_pool import NULL_BLOCK, BlockPool, CacheIntegrityError
 from tokenmill.cache.radix import PrefixHandle, make_prefix_cache
 from tokenmill.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from tokenmill.util import cdiv
 
 
 def slot_of(block_table: list[int], pos: int, block_size: int) -> int:
@@ -108,6 +113,36 @@ class KVBlockManager:
         for _ in range(needed):
             table.append(self.pool.allocate())
         return True
+
+    def reserve_lookahead(self, request: Request, num_positions: int, keep_free: int = 0) -> bool:
+        """Grow a running sequence's table to cover its first ``num_positions`` positions before
+        the step is scheduled: a drafting model writes its KV for the coming tokens there (its
+        cache tensors are indexed by the same block ids). The scheduler's allocation for the
+        step finds these blocks already there; ``release_lookahead``, ``trim`` and ``free``
+        return them. False, taking nothing, when fewer than ``keep_free`` blocks would be left
+        free (what the running sequences' own tokens need: lookahead must not preempt them)."""
+        table = self._tables.get(request.request_id)
+        if not table:
+            raise CacheIntegrityError(f"lookahead for {request.request_id!r}, which holds no "
+                                      "blocks: only a running sequence reserves ahead")
+        needed = max(0, cdiv(num_positions, self.block_size) - len(table))
+        if needed > self.num_free_blocks - keep_free:
+            return False
+        if needed > self.pool.num_free_blocks:
+            self.prefix_cache.evict(needed - self.pool.num_free_blocks)
+        if needed > self.pool.num_free_blocks:
+            return False
+        for _ in range(needed):
+            table.append(self.pool.allocate())
+        return True
+
+    def release_lookahead(self, request: Request) -> int:
+        """Give back the blocks past the sequence's computed tokens (a lookahead the step did
+        not use); returns how many. No-op for a sequence holding no more than those."""
+        table = self._tables.get(request.request_id)
+        if not table or len(table) <= cdiv(request.num_computed_tokens, self.block_size):
+            return 0
+        return self.trim(request, request.num_computed_tokens)
 
     def trim(self, request: Request, num_tokens: int) -> int:
         """Roll the table back to cover only the first ``num_tokens`` tokens (rejected draft

@@ -247,6 +247,8 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5.0)
+        if self._thread is None or not self._thread.is_alive():  # no step can run any more
+            self.engine.shutdown()
 
     # ----- the caller's side (event loop) ---------------------------------------------------
 

@@ -1,9 +1,11 @@
 """LLMEngine: the step loop. One step = propose -> schedule -> forward + sample -> update -> outputs.
 
-The engine is built from parts: a ``Scheduler`` (which tokens run, the KV blocks), a runner
-(tensors; anything with ``execute``), a ``Tokenizer`` and, optionally, a draft proposer
-(``spec.SpeculativeDecoder``, or anything with ``propose``). ``LLMEngine.from_config`` builds
-the real ones from an ``EngineConfig``; tests build it with a fake runner and no torch at all.
+The engine is built from parts: a ``Scheduler`` (which tokens run, the KV blocks), an
+``Executor`` (runs each ``SchedulerOutput`` on the model's workers; ``executor/``), a
+``Tokenizer`` and, optionally, a draft proposer
+(``speculative.SpeculativeDecoder``, or anything with ``propose``). ``LLMEngine.from_config`` builds
+the real ones from an ``EngineConfig`` by its load-time plan (``engine/plan.py``,
+``engine/build.py``); tests build it with a fake executor and no torch at all.
 The engine owns what needs text: detokenization, stop strings, logprobs bookkeeping.
 ``AsyncEngine`` and the server use only the public surface below (add, abort, step, stats,
 info, tokenizer, check_prompt).
@@ -15,20 +17,27 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
+from tokenmill.engine.info import EngineInfo, EngineStats, StepInfo
 from tokenmill.engine.output_state import RequestState
 from tokenmill.params import SamplingParams
-from tokenmill.request import (FinishReason, Request, RequestOutput, RequestStatus,
-                               check_prompt)
-from tokenmill.sched.output import ModelOutput, ScheduledChunk, SchedulerOutput, SeqUpdate
+from tokenmill.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    check_prompt,
+)
+from tokenmill.sched.output import ModelOutput, SchedulerOutput, SeqUpdate
 from tokenmill.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.executor import Executor
     from tokenmill.structured.backend import CompiledGrammar
-    from tokenmill.structured.manager import PendingMasks, StructuredOutputManager
+    from tokenmill.structured.manager import StructuredOutputManager
     from tokenmill.structured.spec import StructuredOutputs
     from tokenmill.tokenizer import Tokenizer
 
@@ -49,25 +58,14 @@ class EngineDeadError(RuntimeError):
     """Steps kept failing with no request to blame: the engine cannot go on."""
 
 
-class Runner(Protocol):
-    """What the engine needs of a model runner (``runner.ModelRunner`` is the real one)."""
-
-    def execute(self, chunks: Sequence[ScheduledChunk], masks: PendingMasks | None = None,
-                draft_probs: Mapping[str, Sequence[object | None]] | None = None) -> ModelOutput:
-        """One forward over the chunks; the accepted tokens of every chunk with logits.
-        ``masks`` (structured output) are being filled while the forward runs; the runner
-        applies them (``masks.apply(rows)``) before sampling. ``draft_probs``: per sequence,
-        the distribution each of its drafts was drawn from (None: none), for the rejection
-        rule."""
-
-
 class DraftProposer(Protocol):
-    """Proposes continuations to verify (speculative decoding, ``spec/``).
+    """Proposes continuations to verify (speculative decoding, ``speculative/``).
 
-    Optional, used where present (``spec.SpeculativeDecoder`` has them): ``draft_probs`` (per
-    sequence, the distributions of the latest drafts), ``observe(chunks, accepted tokens,
-    num_batched_tokens, seconds)`` after each step, ``forget(seq_ids)`` for ended sequences,
-    ``stats()`` (``spec.SpecStats``).
+    Optional, used where present (``speculative.SpeculativeDecoder`` has them): ``draft_probs``
+    (per sequence, the distributions of the latest drafts), ``observe(chunks, accepted tokens,
+    num_batched_tokens, seconds)`` after every step (a drafting model gives back there the
+    lookahead blocks the step did not use), ``forget(seq_ids)`` for ended sequences,
+    ``stats()`` (``speculative.SpecStats``).
     """
 
     def propose(self, requests: Sequence[Request],
@@ -75,70 +73,6 @@ class DraftProposer(Protocol):
         """Draft tokens per sequence id for the running sequences; omitted ids get none.
         ``waiting_tokens``: prompt tokens the step would admit from the waiting queue after
         them (``Scheduler.waiting_prompt_tokens``), which drafts scheduled first push out."""
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Facts about the engine that do not change while it runs."""
-
-    model: str  # the model argument, or the file it resolved to
-    vocab_size: int
-    max_model_len: int
-    kv_cache_tokens: int
-    max_num_seqs: int
-    block_size: int
-    dtype: str = "float32"
-    dtype_reason: str = ""
-    attention_backend: str = "torch"
-    quantization: str = "none"  # the linear weights' format as loaded (none, int8, int4, ...)
-    kv_cache_dtype: str = "auto"  # as chosen (platform.choose_kv_cache_dtype): auto = dtype's
-    kv_cache_dtype_reason: str = ""
-    # decode batch sizes replayed from CUDA graphs, e.g. "1,2,4,8,16,...,64"; "off" when none
-    cuda_graphs: str = "off"
-    # CPU: "fused" when the decoder layers run in one C++ call (runner/cpu_step.py), else
-    # "eager: <why>"
-    cpu_step: str = "off"
-    hardware: dict = field(default_factory=dict)  # the CPU and its instruction sets
-    speculative: dict = field(default_factory=dict)  # method and k; empty when off
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of counters (totals since start) and gauges (now)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_blocks: int = 0  # usable KV blocks
-    num_free_blocks: int = 0  # of those, free for new KV (never used, or cached and evictable)
-    num_cached_blocks: int = 0  # of those, held by the prefix cache (in use or evictable)
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_prompt_tokens_computed: int = 0  # prompt tokens actually run through the model
-    num_generated_tokens: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_structured_requests: int = 0  # requests with an output constraint
-    grammar_compile_seconds: float = 0.0  # compiling constraints (cache misses)
-    grammar_mask_seconds: float = 0.0  # filling token masks (alongside the forward)
-    num_grammar_mask_steps: int = 0  # steps that filled masks
-    spec: object | None = None  # spec.SpecStats when speculative decoding is on
-    forward_seconds: float = 0.0  # runner.execute: model forward + sampling
-    scheduler_seconds: float = 0.0  # schedule() + update_from_output()
-    step_seconds: float = 0.0  # whole steps, detokenization included
-    num_failed_steps: int = 0  # steps that raised (their requests failed, the engine went on)
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """What the latest step did (for per-step metrics and request timings)."""
-
-    num_batched_tokens: int = 0
-    num_new_tokens: int = 0
-    num_preemptions: int = 0
-    scheduled_request_ids: frozenset[str] = frozenset()  # callers' ids that ran any token
 
 
 @dataclass
@@ -158,12 +92,12 @@ class LLMEngine:
     batched; None leaves them nondeterministic.
     """
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer: Tokenizer,
+    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer,
                  info: EngineInfo, *, proposer: DraftProposer | None = None,
                  structured: StructuredOutputManager | None = None,
                  seed: int | None = None) -> None:
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor
         self.tokenizer = tokenizer
         self.info = info
         self.proposer = proposer
@@ -182,78 +116,11 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the model and tokenizer, size the KV cache, build runner and scheduler."""
-        import torch
+        """Plan for this machine, then load the model and tokenizer, size the KV cache and
+        build executor and scheduler as the plan says (``engine/build.py``)."""
+        from tokenmill.engine.build import build_engine_parts
 
-        from tokenmill.attention import default_backend
-        from tokenmill.model.loader import load_model
-        from tokenmill.platform import (choose_dtype, choose_kv_cache_dtype,
-                                        configure_allocator, configure_threads, cpu_description)
-        from tokenmill.runner.kv_cache import bytes_per_block, num_kv_blocks
-        from tokenmill.runner.model_runner import ModelRunner
-        from tokenmill.runner.threads import ThreadGovernor
-        from tokenmill.spec import build_decoder, load_draft_model, spec_description
-        from tokenmill.structured.backend import GrammarBackend
-        from tokenmill.structured.manager import StructuredOutputManager
-        from tokenmill.tokenizer import load_tokenizer
-
-        threads = 0
-        if config.device.startswith("cpu"):
-            threads = configure_threads(config.num_threads)
-            configure_allocator()
-        dtype, dtype_reason = choose_dtype(config.device, config.dtype)
-        kv_dtype, kv_dtype_reason = choose_kv_cache_dtype(config.device, config.dtype, dtype,
-                                                          config.kv_cache_dtype)
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = default_backend(config.device)
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        loaded = load_model(config.model, config.device, dtype, backend, config.quantization)
-        model, cache = loaded.config, config.cache
-        tokenizer = load_tokenizer(config.model)
-        draft = load_draft_model(config.speculative, loaded, tokenizer, config.device, dtype,
-                                 backend)
-        # A drafting model's cache holds as many tokens as the target's, within one budget.
-        draft_bytes = bytes_per_block(draft.config, cache.block_size, getattr(torch, dtype)) \
-            if draft else 0
-        num_blocks = num_kv_blocks(model, cache.block_size, getattr(torch, dtype), config.device,
-                                   cache.kv_cache_memory, cache.num_blocks, draft_bytes,
-                                   kv_dtype)
-        max_len = min(config.scheduler.max_model_len or model.max_position_embeddings,
-                      model.max_position_embeddings)
-        runner = ModelRunner(loaded, num_blocks, cache.block_size, config.device, kv_dtype)
-        if (torch.device(config.device).type == "cuda" and backend == "triton"
-                and not config.enforce_eager):
-            runner.capture_graphs(config.scheduler.max_num_seqs, max_len)
-        cpu_step = "off"
-        if torch.device(config.device).type == "cpu":
-            cpu_step = "eager: --enforce-eager" if config.enforce_eager else runner.fuse_cpu_step()
-            if config.num_threads is None and threads > 1:  # a count the user set stays fixed
-                runner.governor = ThreadGovernor(threads)
-        proposer = build_decoder(config.speculative, draft, num_blocks, cache.block_size,
-                                 config.device, config.scheduler.max_num_batched_tokens)
-        scheduler = Scheduler(replace(config.scheduler, max_model_len=max_len), cache,
-                              num_blocks=num_blocks,
-                              eos_token_ids={*tokenizer.eos_token_ids, *model.eos_token_ids})
-        info = EngineInfo(str(loaded.source.path), model.vocab_size, max_len,
-                          (num_blocks - 1) * cache.block_size,  # block 0 is padding
-                          config.scheduler.max_num_seqs, cache.block_size, dtype,
-                          dtype_reason, backend, loaded.quantization, kv_dtype,
-                          kv_dtype_reason, runner.graphs_description(), cpu_step,
-                          cpu_description() if config.device.startswith("cpu") else {},
-                          spec_description(config.speculative, draft) if proposer else {})
-        logger.info("compute dtype %s (%s); weights %s; KV cache %s (%s); attention backend "
-                    "%s; CUDA graphs %s; CPU step %s; %s", dtype, dtype_reason,
-                    loaded.quantization, kv_dtype, kv_dtype_reason, backend, info.cuda_graphs,
-                    info.cpu_step, info.hardware or config.device)
-        if proposer is not None:
-            logger.info("speculative decoding: %s", info.speculative)
-        grammars = GrammarBackend(tokenizer.backend.to_str(), model.vocab_size,
-                                  sorted(scheduler.eos_token_ids))
-        return cls(scheduler, runner, tokenizer, info, proposer=proposer,
-                   structured=StructuredOutputManager(grammars, config.jump_forward),
-                   seed=config.seed)
+        return cls(**vars(build_engine_parts(config)))
 
     # ----- requests ---------------------------------------------------------------------------
 
@@ -397,6 +264,10 @@ class LLMEngine:
             raise RuntimeError("cannot flush the prefix cache while requests are running")
         return self.scheduler.flush_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (the model and KV cache go with them); idempotent."""
+        self.executor.shutdown()
+
     # ----- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -537,7 +408,7 @@ class LLMEngine:
         start = time.perf_counter()
         masks = self.structured.start_masks(out.scheduled) if self.structured else None
         self._inject("forward", s)
-        result = self.runner.execute(out.scheduled, masks, self._draft_probs or None)
+        result = self.executor.execute(out, masks, self._draft_probs or None)
         self._inject("sample", s)
         seconds = time.perf_counter() - start
         self._counters["forward_seconds"] += seconds

@@ -35,6 +35,7 @@ import torch
 from tokenmill.config import DEFAULT_MODEL, EngineConfig, engine_option_default
 from tokenmill.errors import TokenmillError
 from tokenmill.runner.batch import Chunk
+from tokenmill.util import cdiv
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm_engine import LLMEngine
@@ -125,7 +126,7 @@ def build_eval_engine(model: str = DEFAULT_MODEL, context: int = DEFAULT_CONTEXT
 
     if "num_blocks" not in engine_options and "kv_cache_memory" not in engine_options:
         block_size = engine_options.get("block_size") or engine_option_default("block_size")
-        engine_options["num_blocks"] = 1 + -(-context // block_size)
+        engine_options["num_blocks"] = 1 + cdiv(context, block_size)
     return LLMEngine.from_config(EngineConfig.from_options(model, **engine_options))
 
 
@@ -156,7 +157,7 @@ def score_ids(runner: ModelRunner, ids: Sequence[int], context: int, stride: int
         raise EvalError(f"the text is {len(ids)} token(s); perplexity needs at least 2")
     windows = plan_windows(len(ids), context, stride)
     longest = max(w.end - w.start for w in windows)
-    table = list(range(1, 1 + -(-longest // runner.block_size)))  # block 0: padding
+    table = list(range(1, 1 + cdiv(longest, runner.block_size)))  # block 0: padding
     if table[-1] >= runner.num_blocks:
         raise EvalError(f"a window of {longest} tokens needs {len(table) + 1} KV blocks; the "
                         f"cache has {runner.num_blocks} (raise --kv-cache-memory)")
@@ -204,7 +205,7 @@ def engine_perplexity(engine: LLMEngine, text: str | Sequence[int], *,
     check_max_tokens(max_tokens)
     if max_tokens is not None:
         ids = ids[:max_tokens + 1]
-    nll, windows, seconds = score_ids(engine.runner, ids, context, stride, chunk)
+    nll, windows, seconds = score_ids(engine.executor.worker, ids, context, stride, chunk)
     scored = sum(w.end - w.score_from for w in windows)
     return PerplexityResult(
         math.exp(nll / scored), nll / scored, scored, sum(w.end - w.start for w in windows),

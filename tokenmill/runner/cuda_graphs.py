@@ -25,6 +25,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.runner.batch import SeqChunk
+from tokenmill.util import cdiv
 
 log = logging.getLogger("tokenmill.runner")
 
@@ -108,7 +109,7 @@ class DecodeGraphs:
                  max_model_len: int, device: torch.device):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.buckets = graph_buckets(max_num_seqs)
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = cdiv(max_model_len, block_size)
         self.buffers = StepBuffers(self.buckets[-1], max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

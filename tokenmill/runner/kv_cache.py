@@ -42,6 +42,7 @@ import torch
 
 from tokenmill.attention.kv_quant import SCALE_BYTES
 from tokenmill.config import ModelConfig
+from tokenmill.platform import host_memory_available
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
@@ -104,17 +105,14 @@ def available_memory_bytes(device: torch.device | str) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30
+    return host_memory_available()
 
 
-def default_kv_cache_bytes(device: torch.device | str) -> int:
+def default_kv_cache_bytes(device: torch.device | str, free: int | None = None) -> int:
     """90% of free GPU memory (the model is already loaded); on a CPU a fifth of the available
-    RAM, at most 4 GiB, since the host keeps running everything else too."""
-    free = available_memory_bytes(device)
+    RAM, at most 4 GiB, since the host keeps running everything else too. ``free``: the free
+    bytes, when known (a plan made for a described machine), else measured now."""
+    free = available_memory_bytes(device) if free is None else free
     if torch.device(device).type == "cuda":
         return int(free * 0.9)
     return min(free // 5, 4 << 30)

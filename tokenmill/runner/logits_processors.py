@@ -25,15 +25,13 @@ import math
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tokenmill.params import SamplingParams
-
-if TYPE_CHECKING:
-    from tokenmill.runner.sampler import SamplingRow
+from tokenmill.runner.rows import SamplingRow
+from tokenmill.util import cdiv
 
 # Candidates a CPU top-p looks at before falling back to sorting the whole vocab.
 _NUCLEUS_CANDIDATES = 1024
@@ -159,7 +157,7 @@ def fit_bitmasks(bitmasks: Sequence[torch.Tensor], vocab: int) -> torch.Tensor:
 
 def bitmask_width(vocab: int) -> int:
     """Words of a token bitmask that covers ``vocab`` tokens."""
-    return -(-vocab // _WORD_BITS)
+    return cdiv(vocab, _WORD_BITS)
 
 
 def _fit_width(bitmask: torch.Tensor, width: int) -> torch.Tensor:

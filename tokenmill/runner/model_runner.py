@@ -28,10 +28,11 @@ from tokenmill.runner.kv_cache import allocate_kv_cache
 from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sched.output import ModelOutput, ScheduledChunk, num_matching_drafts
+from tokenmill.util import cdiv
 
 if TYPE_CHECKING:
     from tokenmill.request import Request
-    from tokenmill.structured.manager import PendingMasks
+    from tokenmill.runner.rows import RowMasks
 
 
 class ModelRunner:
@@ -91,7 +92,7 @@ class ModelRunner:
                           batch.logits_indices)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk], masks: PendingMasks | None = None,
+    def execute(self, chunks: Sequence[ScheduledChunk], masks: RowMasks | None = None,
                 draft_probs: Mapping[str, Sequence[torch.Tensor | None]] | None = None
                 ) -> ModelOutput:
         """Forward the scheduler's chunks; the accepted tokens of each chunk with logits.
@@ -107,12 +108,14 @@ class ModelRunner:
 
     def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                         stop_ids: frozenset[int] = frozenset()) -> list[int]:
-        """Single-request greedy decoding on blocks 0..n (a convenience for tests and benches;
-        serving goes through the engine and its scheduler)."""
+        """Single-request greedy decoding on blocks 1..n (a convenience for tests and benches;
+        serving goes through the engine and its scheduler). Block 0 is the tables' padding,
+        which nothing ever writes."""
         total = len(prompt_ids) + max_new_tokens
-        table = list(range(-(-total // self.block_size)))
-        if len(table) > self.num_blocks:
-            raise ValueError(f"{total} tokens need {len(table)} blocks; cache has {self.num_blocks}")
+        table = list(range(1, 1 + cdiv(total, self.block_size)))
+        if len(table) >= self.num_blocks:
+            raise ValueError(f"{total} tokens need {len(table)} blocks besides the padding "
+                             f"block; the cache has {self.num_blocks - 1}")
         out: list[int] = []
         chunk = Chunk(list(prompt_ids), 0, table)
         while len(out) < max_new_tokens:

@@ -54,11 +54,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.params import SamplingParams
 from tokenmill.runner.logits_processors import (  # noqa: F401  (re-exported: one import site)
     GrammarMask, LogitBias, LogitsProcessor, MinP, MinTokens, Penalties, Temperature, TopKTopP,
     apply_min_p, apply_penalties, apply_temperature, apply_top_k_top_p, default_processors,
     process_logits, token_counts, unpack_bitmask)
+from tokenmill.runner.rows import SamplingRow  # noqa: F401  (re-exported, as above)
 
 _U64 = (1 << 64) - 1  # torch.Generator.manual_seed takes seeds modulo 2**64
 # Streams of one seeded position (see the module docstring).
@@ -66,27 +66,6 @@ SAMPLE, DRAFT, ACCEPT, RESIDUAL = range(4)
 # Exponential(1) draws this close to 0 would turn probs / q into inf or nan.
 _MIN_NOISE = 1e-20
 _GOLDEN = 0x9E3779B97F4A7C15
-
-
-@dataclass
-class SamplingRow:
-    """What the sampler needs of one position to sample this step."""
-
-    seq_id: str  # stable id of the sequence ("req-1" or "req-1#2"): keys its seeded generator
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # tokens generated before this row's position
-    # Tokens that would end the sequence (its stop_token_ids, plus its EOS ids unless
-    # ignore_eos), resolved by the caller; min_tokens masks exactly these.
-    stop_token_ids: frozenset[int]
-    seq_index: int = 0  # index within an n > 1 group: offsets the seed
-    # Grammar slot: allowed tokens as a packed int32 bitmask of ceil(vocab / 32) words
-    # (bit j of word i allows token 32 * i + j); None = unconstrained.
-    token_bitmask: torch.Tensor | None = None
-    # Speculative verification with a draft model: the draft token at this position and the
-    # draft's distribution q (vocab,) it was drawn from; None: a plain draw.
-    draft_token: int | None = None
-    draft_probs: torch.Tensor | None = None
 
 
 @dataclass

@@ -38,15 +38,17 @@ Prefix caching: on admission a sequence takes the longest cached prefix of its t
 blocks, at most up to its last token, which it always computes to have logits), so its first
 chunk starts there and its KV budget counts only the uncached tokens. A prefill chunk's full
 blocks enter the cache as soon as it has run (so requests arriving meanwhile share them);
-finished and preempted sequences give the rest of their full blocks to the cache (aborted ones do not: their last step may not
-have run). Under ``lpm`` the waiting queue is admitted longest cached prefix first.
+finished and preempted sequences give the rest of their full blocks to the cache (aborted ones
+do not: their last step may not have run). Under ``lpm`` the waiting queue is admitted longest
+cached prefix first.
 
 A prefix being computed is computed once: a waiting request whose first ``SHARED_PREFIX_BLOCKS``
 blocks of prompt equal those of a request still prefilling (admitted earlier or in this step)
 waits, while requests behind it are admitted, until that request has computed the full blocks
 the two prompts share (or the cache holds them); blocks are shared at the end of the step that
 computes them, and it then takes them from the cache (SGLang dedupes a batch's shared prefixes
-the same way). Shorter prompts are never held; without a prefix cache nothing is.
+the same way; ``shared_prefill.py``). Shorter prompts are never held; without a prefix cache
+nothing is.
 
 Preemption is by recomputation: the victim's blocks are freed (into the prefix cache, so the
 recompute usually hits), it keeps its generated tokens and goes back to the waiting queue, and
@@ -63,16 +65,18 @@ import operator
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-from tokenmill.cache import CacheIntegrityError, KVBlockManager, cdiv
+from tokenmill.cache import CacheIntegrityError, KVBlockManager
+from tokenmill.cache.radix import NullPrefixCache
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.request import FinishReason, Request, RequestStatus, check_prompt, sequence_id
 from tokenmill.sched.output import (ScheduledChunk, SchedulerOutput, SchedulerStats, SeqUpdate,
                                     num_matching_drafts)
-from tokenmill.cache.radix import NullPrefixCache
 from tokenmill.sched.policy import (LPM_MAX_WAITING, get_policy, is_prefix_aware,
                                     longest_prefix_first)
-
 from tokenmill.sched.queue import RequestQueue
+from tokenmill.sched.shared_prefill import PrefillHolds
+from tokenmill.sched.step_batch import Planned, StepBatch
+from tokenmill.util import cdiv
 
 # Blocks of prompt two requests must share for the later one to wait for the earlier one's
 # prefill rather than compute them too (128 tokens at block size 16: a system prompt's worth;
@@ -80,37 +84,6 @@ from tokenmill.sched.queue import RequestQueue
 SHARED_PREFIX_BLOCKS = 8
 
 Sampled = Mapping[str, int | Sequence[int]]
-
-
-# One planned chunk: (request, start_pos, known tokens, draft tokens after them). A plain
-# tuple: a NamedTuple costs a Python-level __new__ per sequence per step.
-_Planned = tuple[Request, int, int, int]
-
-
-class _StepBatch:
-    """The step being built. Chunks are keyed by request id so that a sequence preempted later
-    in the same step can be taken out again and its tokens returned to the budget."""
-
-    def __init__(self, token_budget: int) -> None:
-        self.token_budget = token_budget
-        self.tokens_left = token_budget
-        self.chunks: dict[str, _Planned] = {}
-        self.preempted_ids: list[str] = []
-
-    def add(self, request: Request, num_tokens: int, num_drafts: int = 0) -> None:
-        start = request.num_computed_tokens
-        self.chunks[request.request_id] = (request, start, num_tokens, num_drafts)
-        request.num_computed_tokens += num_tokens + num_drafts
-        self.tokens_left -= num_tokens + num_drafts
-
-    def drop(self, request: Request) -> int:
-        """Take the request's chunk out; returns its number of tokens (0 when it had none)."""
-        entry = self.chunks.pop(request.request_id, None)
-        if entry is None:
-            return 0
-        scheduled = entry[2] + entry[3]
-        self.tokens_left += scheduled
-        return scheduled
 
 
 class Scheduler:
@@ -253,7 +226,7 @@ class Scheduler:
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         start = time.perf_counter()
         self._step_finished.clear()
-        batch = _StepBatch(self.config.max_num_batched_tokens)
+        batch = StepBatch(self.config.max_num_batched_tokens)
         self._schedule_running(batch)
         # Blocks were just short for the running set: admitting more would only thrash.
         if not batch.preempted_ids:
@@ -294,7 +267,7 @@ class Scheduler:
 
     # ----- scheduling ----------------------------------------------------------------------
 
-    def _schedule_running(self, batch: _StepBatch) -> None:
+    def _schedule_running(self, batch: StepBatch) -> None:
         # Decodes before prefills: a long prompt in progress must not stall token streams.
         decodes: list[Request] = []
         prefills: list[Request] = []
@@ -306,7 +279,7 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this step
                 self._schedule_running_one(request, batch)
 
-    def _schedule_running_one(self, request: Request, batch: _StepBatch) -> None:
+    def _schedule_running_one(self, request: Request, batch: StepBatch) -> None:
         num_new = min(_remaining(request), batch.tokens_left)
         drafts = self._num_drafts(request, num_new, batch.tokens_left) \
             if request.spec_token_ids else 0
@@ -331,53 +304,24 @@ class Scheduler:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         return max(0, min(len(request.spec_token_ids), tokens_left - num_new, room))
 
-    def _admit_waiting(self, batch: _StepBatch) -> None:
-        computing = self._prefixes_in_prefill(batch)
+    def _admit_waiting(self, batch: StepBatch) -> None:
+        holds = self._prefill_holds(batch)
         for request in self._admission_order():
             if batch.tokens_left == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            key = computing is not None and self._prefix_key(request)
-            if key and self._waits_for_prefill(request, computing.get(key, ()), batch):
+            if holds is not None and holds.holds(request):
                 continue  # its prefix is being computed: take it from the cache later
             if not self._admit(request, batch):
                 return  # head-of-line: a less important request must not overtake it
-            if key and _computed_before(request, batch) < request.num_prompt_tokens:
-                computing.setdefault(key, []).append(request)
+            if holds is not None:
+                holds.admitted(request)
 
-    def _waits_for_prefill(self, request: Request, leaders: Iterable[Request],
-                           batch: _StepBatch) -> bool:
-        """Whether a prefilling request has yet to compute (before this step) full blocks this
-        one's prompt shares with it, which the cache does not hold yet."""
-        prompt, bs = request.prompt_token_ids, self.block_size
-        for leader in leaders:
-            other = leader.prompt_token_ids
-            common = next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b),
-                          min(len(prompt), len(other)))
-            shared = common // bs * bs
-            if (_computed_before(leader, batch) < shared
-                    and self.block_manager.cached_prefix_len(request) < shared):
-                return True
-        return False
-
-    def _prefix_key(self, request: Request) -> tuple | None:
-        """The request's first SHARED_PREFIX_BLOCKS blocks of prompt (and its cache salt), or
-        None when its prompt is shorter."""
-        n = SHARED_PREFIX_BLOCKS * self.block_size
-        if request.num_prompt_tokens <= n:
-            return None
-        return (request.cache_salt, *request.prompt_token_ids[:n])
-
-    def _prefixes_in_prefill(self, batch: _StepBatch) -> dict[tuple, list[Request]] | None:
-        """The running requests whose prompt, longer than the key, was not all computed before
-        this step, by prefix key; None when nothing is ever held (no prefix cache)."""
+    def _prefill_holds(self, batch: StepBatch) -> PrefillHolds | None:
+        """None when nothing is ever held: without a prefix cache there is nothing to wait for."""
         if isinstance(self.block_manager.prefix_cache, NullPrefixCache):
             return None
-        n = SHARED_PREFIX_BLOCKS * self.block_size
-        computing: dict[tuple, list[Request]] = {}
-        for r in self.running:
-            if r.num_prompt_tokens > n and _computed_before(r, batch) < r.num_prompt_tokens:
-                computing.setdefault(self._prefix_key(r), []).append(r)
-        return computing
+        return PrefillHolds(SHARED_PREFIX_BLOCKS * self.block_size, self.block_manager, batch,
+                            self.running)
 
     def _admission_order(self) -> Iterator[Request]:
         if self._prefix_aware and len(self.waiting) <= LPM_MAX_WAITING:
@@ -386,7 +330,7 @@ class Scheduler:
         # in queue order (admitted requests leave the queue, a held one stays in its place)
         yield from list(self.waiting)
 
-    def _admit(self, request: Request, batch: _StepBatch) -> bool:
+    def _admit(self, request: Request, batch: StepBatch) -> bool:
         manager = self.block_manager
         cached = manager.acquire_cached_prefix(request)
         request.num_computed_tokens = cached
@@ -408,7 +352,7 @@ class Scheduler:
         batch.add(request, num_new)
         return True
 
-    def _preempt(self, request: Request, batch: _StepBatch) -> None:
+    def _preempt(self, request: Request, batch: StepBatch) -> None:
         self.running.remove(request)
         unscheduled = batch.drop(request)  # its chunk of this step will not run
         batch.preempted_ids.append(request.request_id)
@@ -420,7 +364,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push(request)
 
-    def _build_output(self, batch: _StepBatch) -> SchedulerOutput:
+    def _build_output(self, batch: StepBatch) -> SchedulerOutput:
         chunks = [self._chunk(planned) for planned in batch.chunks.values()]
         return SchedulerOutput(chunks, batch.token_budget - batch.tokens_left,
                                batch.preempted_ids, self.take_finished_ids())
@@ -431,7 +375,7 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return finished
 
-    def _chunk(self, planned: _Planned) -> ScheduledChunk:
+    def _chunk(self, planned: Planned) -> ScheduledChunk:
         request, start, num_tokens, drafts = planned
         end = start + num_tokens
         token_ids = request.token_ids_slice(start, end)
@@ -450,7 +394,7 @@ class Scheduler:
         """Whole blocks before the last prompt token, which every sequence computes itself."""
         return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
-    def _fork_shared_prompts(self, batch: _StepBatch) -> None:
+    def _fork_shared_prompts(self, batch: StepBatch) -> None:
         for request, start, num_tokens, _ in batch.chunks.values():
             siblings = self._pending_forks.get(request.request_id)
             if siblings and start + num_tokens >= self._shared_prefix_len(request):
@@ -615,13 +559,6 @@ def _check_config(config: SchedulerConfig) -> None:
         raise ValueError(f"max_num_seqs must be >= 1, got {config.max_num_seqs}")
     if config.max_model_len is not None and config.max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {config.max_model_len}")
-
-
-def _computed_before(request: Request, batch: _StepBatch) -> int:
-    """Tokens of the request computed before this step (its KV written and, for full blocks,
-    shared with the cache)."""
-    planned = batch.chunks.get(request.request_id)
-    return planned[1] if planned is not None else request.num_computed_tokens
 
 
 def _make_block_manager(cache_config: CacheConfig, num_blocks: int | None) -> KVBlockManager:

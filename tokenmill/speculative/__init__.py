@@ -1,10 +1,11 @@
 """Speculative decoding: proposers and the lossless verification they rely on.
 
     ngram      prompt lookup (``ngram.NgramProposer``): no model, drafts without a distribution
-    draft      a draft model sharing the target's vocabulary (``drafter.ModelDrafter``), with its
-               own paged KV cache and block tables
+    draft      a draft model sharing the target's vocabulary (``drafter.ModelDrafter``); its KV
+               lives at the block ids of the sequences' own block tables (the scheduler's
+               ``KVBlockManager``), in cache tensors of its own shape
     layerskip  the target's first layers as the draft model (``drafter.EarlyExit``): no second
-               set of weights, only a KV cache for the layers that draft
+               set of weights, only KV for the layers that draft, at the same block ids
 
 Verification is the step contract's: drafts ride in the target's forward after the last known
 token; the sampler keeps a draft only as the rejection rule allows (``runner/sampler.py``), the
@@ -18,14 +19,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.config import ModelConfig, SpeculativeConfig
-from tokenmill.spec.decoder import SpecStats, SpeculativeDecoder
-from tokenmill.spec.drafter import EarlyExit, ModelDrafter
-from tokenmill.spec.ngram import NgramProposer
-from tokenmill.spec.policy import AdaptivePolicy
+from tokenmill.speculative.decoder import SpecStats, SpeculativeDecoder
+from tokenmill.speculative.drafter import EarlyExit, ModelDrafter
+from tokenmill.speculative.ngram import NgramProposer
+from tokenmill.speculative.policy import AdaptivePolicy
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from tokenmill.cache import KVBlockManager
     from tokenmill.model.loader import LoadedModel
     from tokenmill.tokenizer import Tokenizer
 
@@ -63,19 +65,32 @@ def load_draft_model(spec: SpeculativeConfig, target: LoadedModel, tokenizer: To
 
 
 def build_decoder(spec: SpeculativeConfig, draft: DraftModel | None, num_blocks: int,
-                  block_size: int, device: str,
-                  max_num_batched_tokens: int) -> SpeculativeDecoder | None:
-    """The engine's proposer for ``spec`` (None when speculation is off)."""
+                  block_size: int, device: str, max_num_batched_tokens: int, *,
+                  block_manager: KVBlockManager | None = None) -> SpeculativeDecoder | None:
+    """The engine's proposer for ``spec`` (None when speculation is off). A drafting model
+    (``draft``, ``layerskip``) keeps its KV in the sequences' blocks: it needs the scheduler's
+    ``block_manager``, of ``num_blocks`` blocks of ``block_size`` tokens."""
     if spec.speculative_method is None:
         return None
     if spec.speculative_method == "ngram":
         method = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
+        _check_manager(block_manager, num_blocks, block_size, spec.speculative_method)
         # the drafter catches up on as many tokens per step as the target may compute
-        method = ModelDrafter(draft.module, draft.config, num_blocks, block_size, device,
+        method = ModelDrafter(draft.module, draft.config, block_manager, device,
                               max_catch_up=max_num_batched_tokens)
     return SpeculativeDecoder(method, spec.num_speculative_tokens, spec.speculative_method,
                               spec.speculative_adaptive, max_num_batched_tokens)
+
+
+def _check_manager(manager: KVBlockManager | None, num_blocks: int, block_size: int,
+                   method: str) -> None:
+    if manager is None:
+        raise ValueError(f"speculative method {method!r} keeps its KV in the scheduler's "
+                         "blocks: pass build_decoder(..., block_manager=scheduler.block_manager)")
+    if (manager.pool.num_blocks, manager.block_size) != (num_blocks, block_size):
+        raise ValueError(f"the block manager has {manager.pool.num_blocks} blocks of "
+                         f"{manager.block_size}, the KV budget {num_blocks} of {block_size}")
 
 
 def spec_description(spec: SpeculativeConfig, draft: DraftModel | None) -> dict:

@@ -5,7 +5,8 @@ drafting model), the adaptive policy that decides how much, and the counters beh
 Each step the engine calls ``propose`` with the running sequences (before scheduling) and the
 prompt tokens the waiting queue would add to the step (the policy leaves them the room), passes
 ``draft_probs`` of the drafts it kept to the runner's verifier, and after the step calls
-``observe`` with what verification accepted and what the step cost, and ``forget`` with the
+``observe`` with what verification accepted and what the step cost (a drafter then returns the
+blocks it reserved ahead of the step and the step did not use), and ``forget`` with the
 sequences that ended.
 """
 
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 
 from tokenmill.request import Request
 from tokenmill.sched.output import ScheduledChunk, num_matching_drafts
-from tokenmill.spec.drafter import ModelDrafter
-from tokenmill.spec.ngram import NgramProposer
-from tokenmill.spec.policy import AdaptivePolicy
+from tokenmill.speculative.drafter import ModelDrafter
+from tokenmill.speculative.ngram import NgramProposer
+from tokenmill.speculative.policy import AdaptivePolicy
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,10 @@ class SpeculativeDecoder:
     def observe(self, chunks: Sequence[ScheduledChunk], accepted: Mapping[str, Sequence[int]],
                 num_batched_tokens: int, seconds: float) -> None:
         """One step's outcome: its cost, and per chunk that verified drafts of ours how many
-        of them the target accepted (``accepted``: the runner's tokens per sequence)."""
+        of them the target accepted (``accepted``: the runner's tokens per sequence). A
+        drafter gives back the lookahead blocks the step did not use."""
+        if isinstance(self.method, ModelDrafter):
+            self.method.end_step()
         if num_batched_tokens:
             self.policy.target_cost.add(num_batched_tokens, seconds)
         for c in chunks:

@@ -27,9 +27,13 @@ import llguidance
 import torch
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
-from tokenmill.structured.spec import ConstraintError, StructuredOutputs
+from tokenmill.params import ConstraintError, StructuredOutputs
+from tokenmill.util import cdiv
 
 _CACHE_SIZE = 256  # compiled grammars kept (keyed by the constraint)
+# llguidance writes a mask as int32 words of 32 tokens (bit j of word i allows token 32 i + j),
+# the layout the sampler reads from SamplingRow.token_bitmask.
+_WORD_BITS = 32
 # Longest run of grammar-forced tokens offered for verification in one step.
 MAX_FORCED_TOKENS = 32
 
@@ -128,6 +132,10 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._compiling: dict[tuple, Future] = {}
         self.stats = GrammarStats()
+
+    def new_masks(self, rows: int) -> torch.Tensor:
+        """(rows, words) int32, all zero (no token allowed), for ``fill_masks`` to fill."""
+        return torch.zeros(rows, cdiv(self.vocab_size, _WORD_BITS), dtype=torch.int32)
 
     def _lltokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:

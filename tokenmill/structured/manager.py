@@ -28,14 +28,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from tokenmill.params import StructuredOutputs
 from tokenmill.request import Request
-from tokenmill.runner.logits_processors import bitmask_width
 from tokenmill.sched.output import ScheduledChunk
 from tokenmill.structured.backend import CompiledGrammar, GrammarBackend, GrammarStats
-from tokenmill.structured.spec import StructuredOutputs
 
 logger = logging.getLogger("tokenmill.engine")
-
 
 
 class PendingMasks:
@@ -128,7 +126,7 @@ class StructuredOutputManager:
             row += c.num_logits
         if not work:
             return None
-        words = torch.zeros(row, bitmask_width(self.backend.vocab_size), dtype=torch.int32)
+        words = self.backend.new_masks(row)
         return PendingMasks(self._worker().submit(self._fill, work, words), rows)
 
     def _fill(self, work: list[tuple[ScheduledChunk, int]], words: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""Build an engine by following its load-time plan (``engine/plan.py``), deciding nothing.
+
+Order: threads and allocator -> the executor's worker (model with weights as ``plan.linear``
+says, KV cache, CUDA graphs or the fused CPU step) -> tokenizer, drafter, scheduler, structured
+output. Where the built thing does not match the plan (a layer the fused CPU step cannot take
+after all), the log says so and ``EngineInfo`` reports what runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.engine.info import EngineInfo
+from tokenmill.engine.plan import ExecutionPlan, make_plan
+from tokenmill.executor import Executor, UniProcExecutor
+from tokenmill.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.model.loader import LoadedModel
+
+logger = logging.getLogger("tokenmill.engine")
+
+
+@dataclass
+class EngineParts:
+    """What ``LLMEngine`` is made of (its constructor's arguments)."""
+
+    scheduler: Scheduler
+    executor: Executor
+    tokenizer: Any
+    info: EngineInfo
+    proposer: Any
+    structured: Any
+    seed: int | None
+
+
+def build_engine_parts(config: EngineConfig, plan: ExecutionPlan | None = None) -> EngineParts:
+    """The parts of the engine ``config`` describes, on this machine (``make_plan`` unless
+    given): ``LLMEngine(**vars(parts))``."""
+    from tokenmill.speculative import build_decoder, load_draft_model
+    from tokenmill.structured.backend import GrammarBackend
+    from tokenmill.structured.manager import StructuredOutputManager
+    from tokenmill.tokenizer import load_tokenizer
+
+    plan = plan or make_plan(config)
+    logger.info("%s", plan)
+    _set_up_process(config, plan)
+    executor, worker = UniProcExecutor.from_spec(plan.worker_spec())
+    tokenizer = load_tokenizer(config.model)
+    draft = load_draft_model(config.speculative, worker.loaded, tokenizer, config.device,
+                             plan.dtype, plan.attention_backend)
+    scheduler = Scheduler(replace(config.scheduler, max_model_len=plan.max_model_len),
+                          config.cache, num_blocks=executor.kv_capacity,
+                          eos_token_ids={*tokenizer.eos_token_ids,
+                                         *plan.model_config.eos_token_ids})
+    proposer = build_decoder(config.speculative, draft, executor.kv_capacity,
+                             plan.kv.block_size, config.device,
+                             config.scheduler.max_num_batched_tokens,
+                             block_manager=scheduler.block_manager)
+    grammars = GrammarBackend(tokenizer.backend.to_str(), plan.model_config.vocab_size,
+                              sorted(scheduler.eos_token_ids))
+    return EngineParts(scheduler, executor, tokenizer,
+                       engine_info(config, plan, worker.loaded, executor), proposer,
+                       StructuredOutputManager(grammars, config.jump_forward), config.seed)
+
+
+def _set_up_process(config: EngineConfig, plan: ExecutionPlan) -> None:
+    import torch
+
+    from tokenmill.platform import configure_allocator, configure_threads
+
+    if plan.threads:
+        configure_threads(plan.threads)
+        configure_allocator()
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+
+
+def engine_info(config: EngineConfig, plan: ExecutionPlan, loaded: LoadedModel,
+                executor: Executor) -> EngineInfo:
+    from tokenmill.platform import cpu_description
+
+    details = executor.describe()
+    return EngineInfo(
+        plan.model, plan.model_config.vocab_size, plan.max_model_len,
+        (executor.kv_capacity - 1) * plan.kv.block_size,  # block 0 is padding
+        config.scheduler.max_num_seqs, plan.kv.block_size, plan.dtype, plan.dtype_reason,
+        plan.attention_backend, loaded.quantization, plan.kv_cache_dtype,
+        plan.kv_cache_dtype_reason, details["cuda_graphs"], details["cpu_step"],
+        {} if plan.on_gpu else cpu_description(), plan.speculative, plan=plan.describe())

@@ -1,0 +1,273 @@
+"""The load-time plan: every per-machine decision, made once before anything is built.
+
+``make_plan(config, machine)`` turns an ``EngineConfig`` and a ``platform.Machine`` into a
+frozen ``ExecutionPlan``: the compute dtype and why, the KV cache's dtype, the attention
+backend, the linear kernels (``model.linear``'s ``LinearPlan``), the fused CPU step or CUDA
+graphs, the thread layout, the KV blocks and the speculative set-up. Construction
+(``engine/build.py``) then follows it without deciding anything again; start-up logs print it and
+``/server_info`` shows it. It reads only the model's config (never its weights), so a test can
+plan for a machine it does not have (``Machine.described("avx2")``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.executor.worker import WorkerSpec
+from tokenmill.model.config_reader import read_model_config, stored_block_formats
+from tokenmill.model.linear.plan import LinearPlan, plan_linears
+from tokenmill.platform import Machine, choose_dtype, choose_kv_cache_dtype
+from tokenmill.runner.kv_cache import (
+    bytes_per_block,
+    check_kv_cache_dtype,
+    default_kv_cache_bytes,
+)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens (None: sized from
+    the GPU memory left once the model is loaded, ``budget_rule`` says how)."""
+
+    block_size: int
+    num_blocks: int | None
+    bytes_per_block: int  # the target's K/V, every layer
+    draft_bytes_per_block: int  # a drafting model's K/V at the same block ids
+    budget_rule: str
+
+    @property
+    def tokens(self) -> int | None:
+        """Tokens the cache holds (block 0 is the tables' padding)."""
+        return None if self.num_blocks is None else (self.num_blocks - 1) * self.block_size
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    machine: Machine
+    model: str  # the file or directory the model argument resolved to
+    model_config: ModelConfig  # in the planned compute dtype
+    device: str
+    dtype: str
+    dtype_reason: str
+    kv_cache_dtype: str
+    kv_cache_dtype_reason: str
+    attention_backend: str
+    attention_reason: str
+    linear: LinearPlan
+    kv: KVPlan
+    max_model_len: int
+    threads: int  # the forward's intra-op threads (0 on a GPU)
+    thread_governor: bool  # one thread while other processes take the cores (runner/threads.py)
+    cpu_step: str  # "fused", or "eager: <why>" (runner/cpu_step.py)
+    cuda_graphs: str  # "decode batches up to N", or "off: <why>"
+    max_num_seqs: int
+    speculative: dict[str, Any] = field(default_factory=dict)  # empty when off
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.machine.on_gpu
+
+    def worker_spec(self) -> WorkerSpec:
+        """What each worker builds (``executor/worker.py``)."""
+        fused = self.cpu_step == "fused"
+        return WorkerSpec(
+            model=self.model, device=self.device, dtype=self.dtype,
+            attention_backend=self.attention_backend, linear=self.linear,
+            block_size=self.kv.block_size, num_blocks=self.kv.num_blocks,
+            kv_cache_dtype=self.kv_cache_dtype,
+            draft_bytes_per_block=self.kv.draft_bytes_per_block,
+            max_model_len=self.max_model_len, graph_batch=self.graph_batch,
+            fuse_cpu_step=fused, governor_threads=self.threads if self.thread_governor else 0,
+            planned_cpu_step="off" if self.on_gpu else self.cpu_step)
+
+    @property
+    def graph_batch(self) -> int:
+        """The largest decode batch captured in a CUDA graph (0: none)."""
+        return self.max_num_seqs if self.cuda_graphs.startswith("decode") else 0
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as plain data (start-up log, ``/server_info``)."""
+        return {
+            "machine": self.machine.describe(), "model": self.model, "device": self.device,
+            "dtype": {"value": self.dtype, "why": self.dtype_reason},
+            "kv_cache_dtype": {"value": self.kv_cache_dtype, "why": self.kv_cache_dtype_reason},
+            "attention_backend": {"value": self.attention_backend,
+                                  "why": self.attention_reason},
+            "linear": self.linear.describe(),
+            "kv_cache": {"block_size": self.kv.block_size, "num_blocks": self.kv.num_blocks,
+                         "tokens": self.kv.tokens, "bytes_per_block": self.kv.bytes_per_block,
+                         "draft_bytes_per_block": self.kv.draft_bytes_per_block,
+                         "budget": self.kv.budget_rule},
+            "max_model_len": self.max_model_len,
+            "threads": {"count": self.threads, "governor": self.thread_governor},
+            "cpu_step": self.cpu_step, "cuda_graphs": self.cuda_graphs,
+            "speculative": self.speculative or "off",
+        }
+
+    def __str__(self) -> str:
+        return format_plan(self.describe())
+
+
+def format_plan(described: dict[str, Any]) -> str:
+    """``ExecutionPlan.describe()``'s dict as the lines start-up logs (one per decision)."""
+    return "\n".join(["execution plan:"] + [f"  {key}: {_flat(value)}"
+                                            for key, value in described.items()])
+
+
+def _flat(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_flat(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return "/".join(map(str, value))
+    return str(value)
+
+
+def detect_machine(device: str = "cpu") -> Machine:
+    """This machine, with whether the C++ CPU kernels load (built on first use)."""
+    from tokenmill.kernels.cpu import load
+
+    return Machine.detect(device, kernels_built=device.startswith("cpu") and load() is not None)
+
+
+def make_plan(config: EngineConfig, machine: Machine | None = None) -> ExecutionPlan:
+    """The plan for ``config`` on ``machine`` (None: this machine, ``detect_machine``)."""
+    machine = machine or detect_machine(config.device)
+    check_kv_cache_dtype(config.kv_cache_dtype)
+    source, model_cfg = read_model_config(config.model)
+    dtype, dtype_reason = choose_dtype(config.device, config.dtype, machine)
+    kv_dtype, kv_reason = choose_kv_cache_dtype(config.device, config.dtype, dtype,
+                                                config.kv_cache_dtype)
+    model_cfg = model_cfg.with_dtype(dtype)
+    backend, backend_reason = _attention(config, machine)
+    linear = plan_linears(machine, dtype, config.quantization, cpu_kernels=backend == "cpu")
+    max_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
+                  model_cfg.max_position_embeddings)
+    speculative, draft_cfg = _speculative(config, model_cfg, dtype)
+    threads = 0 if machine.on_gpu else (config.num_threads or machine.cores)
+    return ExecutionPlan(
+        machine=machine, model=str(source.path), model_config=model_cfg, device=config.device,
+        dtype=dtype, dtype_reason=dtype_reason, kv_cache_dtype=kv_dtype,
+        kv_cache_dtype_reason=kv_reason, attention_backend=backend,
+        attention_reason=backend_reason, linear=linear,
+        kv=_kv(config, machine, model_cfg, draft_cfg, kv_dtype), max_model_len=max_len,
+        threads=threads, thread_governor=config.num_threads is None and threads > 1,
+        cpu_step=_cpu_step(config, machine, model_cfg, backend, linear,
+                           bool(stored_block_formats(source))),
+        cuda_graphs=_cuda_graphs(config, machine, backend),
+        max_num_seqs=config.scheduler.max_num_seqs, speculative=speculative)
+
+
+def _attention(config: EngineConfig, machine: Machine) -> tuple[str, str]:
+    if config.attention_backend != "auto":
+        return config.attention_backend, "asked for"
+    if machine.on_gpu:
+        # whether triton is importable is a fact of the environment, not of the machine
+        from tokenmill.attention import has_triton
+
+        if has_triton():
+            return "triton", "the GPU default (graph-safe paged kernel)"
+        return "torch", "triton is not installed"
+    if machine.kernel_caps.attention:
+        return "cpu", "the compiled CPU kernels read K/V in place"
+    return "torch", "no compiled CPU kernels (no C++ compiler, or an unsupported CPU)"
+
+
+def _speculative(config: EngineConfig, model_cfg: ModelConfig,
+                 dtype: str) -> tuple[dict[str, Any], ModelConfig | None]:
+    """What speculation runs and the drafting model's shape (None: no drafting model)."""
+    spec = config.speculative
+    method = spec.speculative_method
+    if method is None:
+        return {}, None
+    out: dict[str, Any] = {"method": method, "num_speculative_tokens":
+                           spec.num_speculative_tokens, "adaptive": spec.speculative_adaptive}
+    draft_cfg = None
+    if method == "ngram":
+        out.update(prompt_lookup_min=spec.prompt_lookup_min,
+                   prompt_lookup_max=spec.prompt_lookup_max)
+    elif method == "draft":
+        out["model"] = spec.speculative_model
+        draft_cfg = read_model_config(spec.speculative_model)[1].with_dtype(dtype)
+    else:
+        layers = spec.speculative_draft_layers or max(1, model_cfg.num_layers // 4)
+        out["draft_layers"] = layers
+        draft_cfg = replace(model_cfg, num_layers=layers)
+    return out, draft_cfg
+
+
+def _kv(config: EngineConfig, machine: Machine, model_cfg: ModelConfig,
+        draft_cfg: ModelConfig | None, kv_dtype: str) -> KVPlan:
+    import torch
+
+    cache = config.cache
+    dtype = getattr(torch, model_cfg.dtype)
+    per_block = bytes_per_block(model_cfg, cache.block_size, dtype, kv_dtype)
+    # A drafting model's cache holds as many tokens as the target's, within one budget.
+    draft = bytes_per_block(draft_cfg, cache.block_size, dtype) if draft_cfg else 0
+    if cache.num_blocks is not None:
+        return KVPlan(cache.block_size, cache.num_blocks, per_block, draft, "asked for")
+    if cache.kv_cache_memory is not None:
+        budget, rule = cache.kv_cache_memory, f"{cache.kv_cache_memory} bytes asked for"
+    elif machine.on_gpu:
+        return KVPlan(cache.block_size, None, per_block, draft,
+                      "90% of the GPU memory free once the model is loaded")
+    else:
+        budget = default_kv_cache_bytes(machine.device, machine.memory_bytes)
+        rule = "a fifth of the host's available memory, at most 4 GiB"
+    blocks = budget // (per_block + draft)
+    if blocks < 2:
+        raise ValueError(f"KV cache budget of {budget} bytes holds less than 2 blocks of "
+                         f"{cache.block_size} tokens; raise --kv-cache-memory")
+    return KVPlan(cache.block_size, int(blocks), per_block, draft, rule)
+
+
+def _cpu_step(config: EngineConfig, machine: Machine, model_cfg: ModelConfig, backend: str,
+              linear: LinearPlan, stored_blocks: bool) -> str:
+    """Whether the decoder layers run as one C++ call per forward (``runner/cpu_step.py``)."""
+    if machine.on_gpu:
+        return "eager: not a CPU"
+    if config.enforce_eager:
+        return "eager: --enforce-eager"
+    caps = machine.kernel_caps
+    if backend != "cpu":
+        return "eager: needs the CPU kernels' attention and GEMM (AVX2 or AVX512)"
+    if model_cfg.qk_norm:
+        return "eager: per-head q/k norms (Qwen3) run eagerly"
+    if model_cfg.dtype == "bfloat16" and not caps.bf16_gemm:
+        return "eager: bf16 needs the CPU kernels' bf16 GEMM (AVX512-BF16)"
+    if model_cfg.dtype not in ("bfloat16", "float32"):
+        return f"eager: {model_cfg.dtype} runs eagerly"
+    why = _fused_blocker(linear, model_cfg, stored_blocks and linear.keep_gguf_blocks)
+    return f"eager: {why}" if why else "fused"
+
+
+# the linear kernels the fused step multiplies on, per compute dtype
+_FUSABLE = {"bfloat16": ("bf16-packed", "bf16-packed-silu"),
+            "float32": ("f32-packed", "f32-packed-bits", "f32-packed-a8")}
+
+
+def _fused_blocker(linear: LinearPlan, model_cfg: ModelConfig, kept_blocks: bool) -> str | None:
+    """Why the decoder layers' linears keep the fused step out; None when they do not.
+    ``kept_blocks``: the weights stay in a GGUF's 4/8-bit blocks."""
+    roles = ("qkv", "o", "gate_up", "down")
+    kernels = {role: linear.kernels_for(role, True)[0] if kept_blocks else linear.kernel_for(role)
+               for role in roles}
+    if any(k not in _FUSABLE[model_cfg.dtype] for k in kernels.values()):
+        name = "bf16" if model_cfg.dtype == "bfloat16" else "float32"
+        return (f"not every linear layer is a packed {name} weight (quantized, or a size the "
+                f"kernels do not pack): {', '.join(f'{r} {k}' for r, k in kernels.items())}")
+    if model_cfg.dtype == "bfloat16" and model_cfg.mlp_bias:
+        return "gate/up takes no SiLU·mul in its epilogue (an MLP bias)"
+    return None
+
+
+def _cuda_graphs(config: EngineConfig, machine: Machine, backend: str) -> str:
+    if not machine.on_gpu:
+        return "off: not a GPU"
+    if config.enforce_eager:
+        return "off: --enforce-eager"
+    if backend != "triton":
+        return f"off: the {backend} attention backend is not graph-safe"
+    return f"decode batches up to {config.scheduler.max_num_seqs}"

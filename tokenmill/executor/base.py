@@ -1,0 +1,49 @@
+"""The seam between the engine and the workers that run the model.
+
+``LLMEngine`` hands each step's ``SchedulerOutput`` to an ``Executor`` and gets a ``ModelOutput``
+back; it never touches a model, a tensor or a KV cache itself. The executor owns the workers:
+today one ``ModelRunner`` in the engine's process (``UniProcExecutor``); a multi-process executor
+(tensor / pipeline parallel workers over torch.distributed) plugs in here with the same surface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.runner.rows import RowMasks
+    from tokenmill.sched.output import ModelOutput, SchedulerOutput
+
+
+class ExecutorError(RuntimeError):
+    """A worker is gone or broken: the executor cannot run steps any more."""
+
+
+class Executor(ABC):
+    """Runs scheduled steps on the model's workers."""
+
+    @abstractmethod
+    def execute(self, out: SchedulerOutput, masks: RowMasks | None = None,
+                draft_probs: Mapping[str, Sequence[object | None]] | None = None
+                ) -> ModelOutput:
+        """One forward over ``out.scheduled`` and the accepted tokens of every chunk with
+        logits. ``masks`` (structured output) are being filled while the forward runs and are
+        applied before sampling; ``draft_probs``: per sequence, the distribution each of its
+        drafts was drawn from (None: none), for the rejection rule."""
+
+    @property
+    @abstractmethod
+    def kv_capacity(self) -> int:
+        """KV blocks every worker holds (block 0, the tables' padding, included)."""
+
+    def check_health(self) -> None:
+        """Raise ``ExecutorError`` when a worker cannot run steps any more."""
+
+    def shutdown(self) -> None:
+        """Stop the workers and free what they hold; idempotent."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the workers run as (for the log and ``/server_info``)."""
+        return {}

@@ -1,0 +1,85 @@
+"""A worker: the model, its KV cache and the step's set-up, built from a ``WorkerSpec``.
+
+The spec is the part of the engine's load-time plan a worker needs, as plain data, so it can go
+to a worker in another process as it is; ``build_worker`` follows it and decides nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.model.linear.plan import LinearPlan
+    from tokenmill.model.loader import LoadedModel
+    from tokenmill.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("tokenmill.executor")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model: str  # the resolved model file or directory
+    device: str
+    dtype: str
+    attention_backend: str
+    linear: LinearPlan
+    block_size: int
+    num_blocks: int | None  # None: sized from the GPU memory the loaded model leaves
+    kv_cache_dtype: str
+    draft_bytes_per_block: int  # a drafting model's K/V at the same block ids
+    max_model_len: int
+    graph_batch: int = 0  # capture decode steps of up to this many sequences (0: none)
+    fuse_cpu_step: bool = False  # the decoder layers as one C++ call (runner/cpu_step.py)
+    governor_threads: int = 0  # a ThreadGovernor over this many threads (0: none)
+    planned_cpu_step: str = "off"  # what the plan said of the CPU step, reported when unfused
+
+
+@dataclass
+class Worker:
+    runner: ModelRunner
+    loaded: LoadedModel
+    cpu_step: str  # what runs: "fused ...", "eager: <why>", or "off" on a GPU
+
+
+def build_worker(spec: WorkerSpec) -> Worker:
+    """Load the model as ``spec.linear`` says, allocate its KV cache, and set up graphs, the
+    fused CPU step and the thread governor where the spec has them."""
+    from tokenmill.model.gguf_file import release_gguf
+    from tokenmill.model.loader import load_model
+    from tokenmill.runner.model_runner import ModelRunner
+
+    loaded = load_model(spec.model, spec.device, spec.dtype, spec.attention_backend,
+                        spec.linear.quantization, plan=spec.linear)
+    release_gguf()  # the weights are in: the file's parsed index is not needed any more
+    runner = ModelRunner(loaded, _num_blocks(spec, loaded), spec.block_size, spec.device,
+                         spec.kv_cache_dtype)
+    return Worker(runner, loaded, _set_up_step(spec, runner))
+
+
+def _num_blocks(spec: WorkerSpec, loaded: LoadedModel) -> int:
+    if spec.num_blocks is not None:
+        return spec.num_blocks
+    import torch
+
+    from tokenmill.runner.kv_cache import num_kv_blocks
+
+    return num_kv_blocks(loaded.config, spec.block_size, getattr(torch, spec.dtype),
+                         spec.device, extra_bytes_per_block=spec.draft_bytes_per_block,
+                         kv_cache_dtype=spec.kv_cache_dtype)
+
+
+def _set_up_step(spec: WorkerSpec, runner: ModelRunner) -> str:
+    if spec.graph_batch:
+        runner.capture_graphs(spec.graph_batch, spec.max_model_len)
+    if spec.governor_threads:
+        from tokenmill.runner.threads import ThreadGovernor
+
+        runner.governor = ThreadGovernor(spec.governor_threads)
+    if not spec.fuse_cpu_step:
+        return spec.planned_cpu_step
+    built = runner.fuse_cpu_step()
+    if not built.startswith("fused"):
+        logger.warning("the plan fused the CPU step, but the loaded model runs %s", built)
+    return built
