@@ -343,7 +343,7 @@ def test_store_bounds():
     def ids(store) -> list[str]:
         return [rid for _, rid in store._store]
 
-    by_count = OpenAIResponses(serving=None, store_size=3)
+    by_count = OpenAIResponses(pipeline=None, store_size=3)
     for rid in "abcd":
         keep(by_count, rid, "x")
     assert ids(by_count) == ["b", "c", "d"]
@@ -358,7 +358,7 @@ def test_store_bounds():
     assert [i["content"] for i in by_count._previous("u", "e")] == ["z", "ok"]
     assert [i["content"] for i in by_count._previous("t", "e")] == ["x", "ok", "y", "ok"]
 
-    by_chars = OpenAIResponses(serving=None, store_chars=1000)
+    by_chars = OpenAIResponses(pipeline=None, store_chars=1000)
     for rid in "abcd":  # about 225 characters each
         keep(by_chars, rid, "x" * 150)
     assert ids(by_chars) == ["a", "b", "c", "d"]

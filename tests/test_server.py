@@ -414,7 +414,7 @@ def test_history_messages_as_an_openai_client_sends_them_back(server):
     function_call (null) and maybe reasoning: accepted, a refusal read as the message's text,
     the reasoning handed to the template under vLLM's two names."""
     from tokenmill.server.protocol import ChatMessage
-    from tokenmill.server.serving import _message_dict
+    from tokenmill.server.pipeline import message_dict
 
     def count(message: dict) -> int:
         r = httpx.post(f"{server.url}/tokenize", json={"messages": [*CHAT, message]})
@@ -425,7 +425,7 @@ def test_history_messages_as_an_openai_client_sends_them_back(server):
     assert count({**plain, "content": None, "refusal": "I cannot.", "audio": None,
                   "function_call": None, "annotations": []}) == count(plain)
     assert count({**plain, "reasoning": "Think first."}) == count(plain)  # SmolLM2's ignores it
-    assert _message_dict(ChatMessage(**plain, reasoning_content="Think."), 0) == {
+    assert message_dict(ChatMessage(**plain, reasoning_content="Think."), 0) == {
         **plain, "reasoning": "Think.", "reasoning_content": "Think."}
 
 

@@ -187,7 +187,7 @@ SOMETHING = "asks-for-something"
 
 
 def sampling_rows(endpoint: str) -> list[Row]:
-    """The fields every generation endpoint takes (protocol._SamplingFields)."""
+    """The fields every generation endpoint takes (protocol.SamplingFields)."""
     e, limit = endpoint, LIMIT[endpoint]
     sampled = {"temperature": 1.5, "seed": 1}
     # "The dog is a dog.": a penalty of 1 on the second "dog" already changes it
@@ -330,7 +330,7 @@ def unimplemented_rows(endpoint: str, model) -> list[Row]:
 
 def request_models() -> dict[str, type]:
     from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
-    from tokenmill.server.responses import ResponsesRequest
+    from tokenmill.server.responses_request import ResponsesRequest
 
     return {"chat": ChatCompletionRequest, "completions": CompletionRequest,
             "responses": ResponsesRequest}

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.structured.tool_parsers import (
+from tokenmill.server.tools.parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     ParsedMessage,
@@ -19,7 +19,7 @@ from tokenmill.structured.tool_parsers import (
     get_tool_parser,
     new_call_id,
 )
-from tokenmill.structured.tool_prompt import (
+from tokenmill.server.tools.prompt import (
     prepare_tool_messages,
     template_handles_tools,
 )
@@ -410,7 +410,7 @@ def test_malformed_input_raises_naming_the_field(mutate, message, handles):
 def test_escaped_lone_surrogate_in_arguments_stays_escaped():
     """A model may write "\\ud800" inside a call: the arguments stay valid UTF-8 text (a lone
     surrogate could not be sent in a response) and mean the same JSON."""
-    from tokenmill.structured.tool_parsers import get_tool_parser
+    from tokenmill.server.tools.parsers import get_tool_parser
 
     call = get_tool_parser("hermes").make_call(
         '{"name": "f", "arguments": {"a": "\\ud800 é", "b": 1}}')

@@ -12,7 +12,7 @@ import time
 
 from tokenmill.config import DEFAULT_MODEL
 from tokenmill.errors import TokenmillError
-from tokenmill.structured.tool_parsers import TOOL_PARSERS
+from tokenmill.server.tools.parsers import TOOL_PARSERS
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
@@ -165,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     _add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
+    plan = sub.add_parser("plan", help="print the load-time plan (dtype, kernels, KV blocks, "
+                                       "threads) for this machine or a described one")
+    _add_engine_args(plan)
+    plan.add_argument("--machine", default=None,
+                      choices=["bare", "avx2", "avx512-bf16", "amx", "cuda"],
+                      help="plan for a machine of this class instead of this one")
+    plan.add_argument("--json", action="store_true", help="print the plan as a JSON object")
+    plan.set_defaults(func=_cmd_plan)
     from tokenmill.bench.main import add_bench_parser
 
     add_bench_parser(sub)
@@ -307,6 +315,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     print(f"tokenmill: {tokens} tokens in {elapsed:.1f}s ({tokens / elapsed:.1f} tokens/s), "
           f"{llm.engine.num_preemptions} preemptions", file=sys.stderr)
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """What ``serve`` would build, decided and printed without loading any weights."""
+    import json
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.plan import detect_machine, make_plan
+    from tokenmill.platform import Machine
+
+    options = engine_options(args)
+    if args.machine is not None:
+        machine = Machine.described(args.machine)
+        options["device"] = machine.device
+    else:
+        machine = detect_machine(options.get("device", "cpu"))
+    plan = make_plan(EngineConfig.from_options(args.model, **options), machine)
+    print(json.dumps(plan.describe(), indent=1) if args.json else plan)
     return 0
 
 

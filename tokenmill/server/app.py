@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import hmac
 import logging
 import signal
 import time
-import uuid
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -22,16 +21,31 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
-from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
-                                           EngineUnavailableError, RequestFailedError)
+from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.params import SamplingParams
+from tokenmill.engine.plan import format_plan
 from tokenmill.request import PromptError, check_vocabulary
+from tokenmill.server.health import Watchdog, probe
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.middleware import (
+    BearerAuth,
+    BodyLimit,
+    auth_error,
+    error_response,
+    key_matches,
+)
 from tokenmill.server.openapi import install_openapi
-from tokenmill.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, FieldError, TokenizeRequest)
+from tokenmill.server.pipeline import RequestPipeline
+from tokenmill.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    FieldError,
+    TokenizeRequest,
+    field_error,
+)
 from tokenmill.server.responses import add_responses_routes
 from tokenmill.server.serving import OpenAIServing
 
@@ -46,7 +60,7 @@ class ServerSettings:
     api_key: str | None = None
     max_queued_requests: int | None = None
     shutdown_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
-    tool_call_parser: str = "hermes"  # the model family's tool-call syntax (tool_parsers.py)
+    tool_call_parser: str = "hermes"  # the model family's tool-call syntax (tools/parsers.py)
     limits: RequestLimits = field(default_factory=RequestLimits)
     public_metrics: bool = False  # /metrics without the API key (for a scraper without one)
     step_timeout: float = 60.0  # a step running longer turns /health into 503
@@ -63,42 +77,62 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name)
     async_engine = AsyncEngine(engine, settings.max_queued_requests, listener=metrics)
     metrics.attach(async_engine)
-    serving = OpenAIServing(async_engine, settings.model_name, metrics,
-                            settings.tool_call_parser, settings.limits)
-    watchdog = _Watchdog(async_engine, settings.step_timeout)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        async_engine.start()
-        watch = asyncio.create_task(watchdog.run())
-        info = engine.info
-        logger.info("tokenmill %s serving %s at http://%s:%d (KV cache %d tokens, %s: %s, "
-                    "max_model_len %d, %s: %s, attention %s)", tokenmill.__version__,
-                    settings.model_name, settings.host, settings.port, info.kv_cache_tokens,
-                    info.kv_cache_dtype, info.kv_cache_dtype_reason, info.max_model_len,
-                    info.dtype, info.dtype_reason, info.attention_backend)
-        yield
-        watch.cancel()
-        await async_engine.shutdown(settings.shutdown_timeout)
-        serving.close()
-
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    pipeline = RequestPipeline(async_engine, settings.model_name, metrics,
+                               settings.tool_call_parser, settings.limits)
+    watchdog = Watchdog(async_engine, settings.step_timeout)
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__,
+                  lifespan=_lifespan(pipeline, watchdog, settings))
     app.state.engine = async_engine
-    app.state.serving = serving
+    app.state.pipeline = pipeline
     _install_error_handlers(app)
-    app.add_middleware(_BodyLimit, max_bytes=settings.limits.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
     if settings.api_key:
         public = _PUBLIC_PATHS | ({"/metrics"} if settings.public_metrics else set())
-        app.add_middleware(_BearerAuth, api_key=settings.api_key, public=public)
-    _add_routes(app, serving, metrics, settings, watchdog)
-    add_responses_routes(app, serving)
+        app.add_middleware(BearerAuth, api_key=settings.api_key, public=public)
+    _add_generation_routes(app, OpenAIServing(pipeline))
+    add_responses_routes(app, pipeline)
+    _add_model_routes(app, pipeline, settings.model_name)
+    _add_health_routes(app, async_engine, settings, watchdog)
+    _add_admin_routes(app, pipeline, metrics)
     install_openapi(app)
     return app
 
 
-def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
-                settings: ServerSettings, watchdog: _Watchdog) -> None:
-    engine = serving.engine
+def _lifespan(pipeline: RequestPipeline, watchdog: Watchdog, settings: ServerSettings
+              ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The engine loop and the watchdog run while the app does; at the end the engine drains
+    (running requests get ``shutdown_timeout``) before the worker pool closes."""
+    engine = pipeline.engine
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        watch = asyncio.create_task(watchdog.run())
+        _log_start(engine, settings)
+        yield
+        watch.cancel()
+        await engine.shutdown(settings.shutdown_timeout)
+        pipeline.close()
+
+    return lifespan
+
+
+def _log_start(engine: AsyncEngine, settings: ServerSettings) -> None:
+    info = engine.info
+    logger.info("tokenmill %s serving %s at http://%s:%d (KV cache %d tokens, %s: %s, "
+                "max_model_len %d, %s: %s, attention %s)", tokenmill.__version__,
+                settings.model_name, settings.host, settings.port, info.kv_cache_tokens,
+                info.kv_cache_dtype, info.kv_cache_dtype_reason, info.max_model_len,
+                info.dtype, info.dtype_reason, info.attention_backend)
+    if info.plan:  # built before logging was set up: its own log line went nowhere
+        logger.info("%s", format_plan(info.plan))
+
+
+# ----- routes -----------------------------------------------------------------------------------
+
+def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """Completions, chat, and the tokenizer's two directions."""
+    pipeline = serving.pipeline
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -108,12 +142,31 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await serving.chat(req, raw)
 
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        return await serving.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        pipeline.check_model(req.model)
+
+        def decode() -> str:  # a 32 MB body holds millions of ids: off the event loop
+            check_vocabulary(req.tokens, pipeline.vocab_size, "tokens")
+            return pipeline.tokenizer.decode(req.tokens)
+
+        try:
+            return {"prompt": await pipeline.off_loop(decode)}
+        except PromptError as e:
+            raise field_error(e) from None
+
+
+def _add_model_routes(app: FastAPI, pipeline: RequestPipeline, model_name: str) -> None:
     created = int(time.time())
 
     def model_card() -> dict:
-        return {"id": settings.model_name, "object": "model", "created": created,
-                "owned_by": "tokenmill", "root": settings.model_name,
-                "max_model_len": serving.max_model_len}
+        return {"id": model_name, "object": "model", "created": created,
+                "owned_by": "tokenmill", "root": model_name,
+                "max_model_len": pipeline.max_model_len}
 
     @app.get("/v1/models")
     async def models():
@@ -121,9 +174,12 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        serving.check_model(model_id)
+        pipeline.check_model(model_id)
         return model_card()
 
+
+def _add_health_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings,
+                       watchdog: Watchdog) -> None:
     @app.get("/health")
     async def health(raw: Request, generate: bool = False):
         """200 ``{"status": "ok"}`` while the engine loop lives and no step has overrun
@@ -132,12 +188,12 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
         one-token generation must come back too; a server too busy to run it now (its queue
         full, or other work ahead of it past the timeout while steps go on) answers 200
         ``{"status": "busy"}``: a liveness probe must not restart a server for being busy."""
-        if generate and settings.api_key and not _key_matches(
+        if generate and settings.api_key and not key_matches(
                 raw.headers.get("authorization", "").encode("latin-1"), settings.api_key):
-            raise _auth_error()
+            raise auth_error()
         problem = watchdog.problem()
         if problem is None and generate:
-            status, problem = await _probe(engine, settings.step_timeout)
+            status, problem = await probe(engine, settings.step_timeout)
             if status == "busy":
                 return JSONResponse({"status": "busy", "reason": problem})
         if problem is not None:
@@ -148,31 +204,20 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
     async def version():
         return {"version": tokenmill.__version__}
 
+
+def _add_admin_routes(app: FastAPI, pipeline: RequestPipeline, metrics: ServerMetrics) -> None:
+    """What the engine is and holds: its facts, its prefix cache, its metrics."""
+    engine = pipeline.engine
+
     @app.get("/server_info")
     async def server_info():
-        """How this engine runs: dtype and why, attention backend, the CPU it found, sizes."""
+        """How this engine runs: every ``EngineInfo`` field (dtype and why, attention backend,
+        the load-time plan, the CPU it found, sizes), threads and KV blocks now."""
         stats = engine.snapshot.stats
         return {"version": tokenmill.__version__, **dataclasses.asdict(engine.info),
                 "threads": torch.get_num_threads(),
                 "kv_cache_blocks": {"total": stats.num_blocks, "free": stats.num_free_blocks,
                                     "prefix_cached": stats.num_cached_blocks}}
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        return await serving.tokenize(req)
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        serving.check_model(req.model)
-
-        def decode() -> str:  # a 32 MB body holds millions of ids: off the event loop
-            check_vocabulary(req.tokens, serving.vocab_size, "tokens")
-            return serving.tokenizer.decode(req.tokens)
-
-        try:
-            return {"prompt": await serving.off_loop(decode)}
-        except PromptError as e:
-            raise APIError(400, str(e), param=e.param, code=e.code) from None
 
     @app.post("/flush_cache")
     async def flush_cache():
@@ -192,30 +237,26 @@ def _add_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics,
 
 # ----- errors -----------------------------------------------------------------------------------
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
-        return _error_response(_validation_api_error(e))
+        return error_response(_validation_api_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error_response(APIError(e.status_code, str(e.detail), kind,
-                                        headers=getattr(e, "headers", None)))
+        return error_response(APIError(e.status_code, str(e.detail), kind,
+                                       headers=getattr(e, "headers", None)))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception):  # a bug: still answer in OpenAI's shape
         logger.exception("internal error")
-        return _error_response(APIError(500, f"internal error: {type(e).__name__}",
-                                        "server_error"))
+        return error_response(APIError(500, f"internal error: {type(e).__name__}",
+                                       "server_error"))
 
 
 def _validation_api_error(e: RequestValidationError) -> APIError:
@@ -225,7 +266,7 @@ def _validation_api_error(e: RequestValidationError) -> APIError:
                         code="invalid_json")
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):  # our own checks name the field themselves
-        return APIError(400, str(cause), param=cause.param, code="invalid_value")
+        return field_error(cause)
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     # Union types report the branch tried ("prompt.str"); the field is the first element.
     param = loc[0] if loc else None
@@ -234,165 +275,6 @@ def _validation_api_error(e: RequestValidationError) -> APIError:
     if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
         msg = "the body must be a JSON object"
     return APIError(400, f"{where}: {msg}", param=param, code="invalid_value")
-
-
-class _BearerAuth:
-    """Pure ASGI middleware: every route but the ``public`` ones needs ``Authorization: Bearer
-    <key>`` (compared in constant time)."""
-
-    def __init__(self, app, api_key: str, public: frozenset[str]):
-        self.app = app
-        self.expected = api_key.encode()
-        self.public = public
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not _key_matches(given, self.expected):
-                await _error_response(_auth_error())(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _key_matches(authorization: bytes, api_key: bytes | str) -> bool:
-    """Whether an Authorization header is ``Bearer <api_key>`` (the key compared in constant
-    time; the scheme's case does not matter, RFC 9110)."""
-    expected = api_key.encode() if isinstance(api_key, str) else api_key
-    scheme, _, key = authorization.partition(b" ")
-    return hmac.compare_digest(key.strip(), expected) and scheme.lower() == b"bearer"
-
-
-def _auth_error() -> APIError:
-    return APIError(401, "Incorrect or missing API key: send Authorization: Bearer <key>",
-                    "authentication_error", None, "invalid_api_key")
-
-
-class _BodyLimit:
-    """Pure ASGI middleware: a body over ``max_bytes`` is answered 413 as soon as its declared
-    length says so, without reading it; a body without a length (chunked) is read up to the
-    limit first."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None:  # the HTTP server delivers no more than it declares
-            if declared.isdigit() and int(declared) > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
-            return
-        chunks, size, message = [], 0, {"more_body": True}
-        while message.get("more_body", False):
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope, receive, send) -> None:
-        err = APIError(413, f"the request body is larger than this server takes "
-                       f"({self.max_bytes} bytes, --max-request-bytes)", param=None,
-                       code="request_too_large")
-        await _error_response(err)(scope, receive, send)
-
-
-class _Watchdog:
-    """Watches the engine loop: a step running longer than ``step_timeout`` s (a hung kernel,
-    a stuck lock) makes /health answer 503 until it ends; a loop that died is logged once."""
-
-    def __init__(self, engine: AsyncEngine, step_timeout: float):
-        self.engine = engine
-        self.step_timeout = step_timeout
-        self.healthy = True  # as of the last check (for the log lines)
-
-    def problem(self) -> str | None:
-        """Why /health answers 503 now (read at each call), or None."""
-        if not self.engine.is_alive:
-            why = self.engine.error or "the server is shutting down"
-            return f"the engine has stopped: {why}"
-        running = self.engine.step_seconds
-        if running > self.step_timeout:
-            return f"an engine step has run for {running:.1f}s (--step-timeout " \
-                   f"{self.step_timeout:g}s)"
-        return None
-
-    async def run(self) -> None:
-        reported_dead = False
-        while True:
-            await asyncio.sleep(min(1.0, self.step_timeout / 4))
-            running = self.engine.step_seconds
-            stalled = running > self.step_timeout
-            if stalled and self.healthy:
-                logger.error("watchdog: an engine step has run for %.0fs (--step-timeout "
-                             "%.0fs); /health answers 503 until it ends", running,
-                             self.step_timeout)
-            elif not stalled and not self.healthy:
-                logger.warning("watchdog: the engine step ended; healthy again")
-            self.healthy = not stalled
-            if not self.engine.is_alive and not reported_dead:
-                logger.error("watchdog: the engine loop is not running; /health answers 503")
-                reported_dead = True
-
-
-async def _probe(engine: AsyncEngine, timeout: float) -> tuple[str, str | None]:
-    """A one-token generation through the whole engine (``/health?generate=true``): ``("ok",
-    None)`` once it came back, ``("busy", why)`` when the server is too busy to run it now
-    (steps go on), else ``("unhealthy", why)``. A probe that failed with a step it shared
-    with a failing request runs once more: that request is gone by then."""
-    why = None
-    for _ in range(2):
-        status, why = await _probe_once(engine, timeout)
-        if status != "failed":
-            return status, why
-    return "unhealthy", why
-
-
-async def _probe_once(engine: AsyncEngine, timeout: float) -> tuple[str, str | None]:
-    token = engine.tokenizer.bos_token_id
-    steps = engine.snapshot.stats.num_steps
-    try:
-        stream = await engine.add_request(f"health-{uuid.uuid4().hex}",
-                                          [token if token is not None else 0],
-                                          SamplingParams(max_tokens=1, temperature=0.0))
-    except EngineOverloadedError:
-        return "busy", "the request queue is full"
-    except EngineUnavailableError as e:
-        return "unhealthy", str(e)
-    try:
-        async with asyncio.timeout(timeout):
-            async for out in stream:
-                if out.finished:
-                    return "ok", None
-    except TimeoutError:
-        if engine.snapshot.stats.num_steps > steps:  # working, just not on the probe yet
-            return "busy", f"the probe's generation waited over {timeout:g}s behind others"
-        return "unhealthy", f"no engine step completed in {timeout:g}s"
-    except RequestFailedError as e:
-        return "failed", f"the probe's generation failed: {e}"
-    except EngineUnavailableError as e:
-        return "unhealthy", str(e)
-    finally:
-        stream.abort()
-    return "unhealthy", "the probe's generation ended without a result"
 
 
 # ----- running ----------------------------------------------------------------------------------

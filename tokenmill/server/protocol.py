@@ -198,7 +198,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """The OpenAI sampling fields plus the extras users send to vLLM."""
 
     @model_validator(mode="before")
@@ -248,7 +248,7 @@ class _SamplingFields(_Request):
         return None if value is None else check_request_id(value, "request_id")
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -284,7 +284,7 @@ class ChatMessage(_Request):
         return None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -346,3 +346,15 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def invalid(param: str | None, message: str, code: str = "invalid_value") -> APIError:
+    """The 400 of a request field that cannot be used; ``param`` names it as the API spells it."""
+    return APIError(400, message, param=param, code=code)
+
+
+def field_error(e: ValueError) -> APIError:
+    """The 400 of a lower layer's typed error: each (``FieldError``, ``PromptError``,
+    ``ParamError``, ``ConstraintError``, ``ToolsError``) is a ValueError that names its field
+    in ``param`` (and may bring its ``code``), read here, never from its text."""
+    return invalid(getattr(e, "param", None), str(e), getattr(e, "code", None) or "invalid_value")

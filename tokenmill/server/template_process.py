@@ -73,7 +73,7 @@ class IsolatedRenderer:
         return frozenset(names)
 
     def handles_tools(self, source: str) -> bool:
-        """Whether the template reads ``tools`` (``tool_prompt.template_handles_tools``)."""
+        """Whether the template reads ``tools`` (``tools.prompt.template_handles_tools``)."""
         return "tools" in self.variables(source)
 
     def render(self, source: str, messages: Sequence[Mapping[str, Any]], *,

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.params import ConstraintError, StructuredOutputs
+from tokenmill.server.tools.parsers import ToolCallParser
+from tokenmill.server.tools.prompt import ToolsError
 from tokenmill.structured.backend import closed_objects
-from tokenmill.structured.spec import StructuredOutputs
-from tokenmill.structured.tool_parsers import ToolCallParser
 
 _ANY_ARGUMENTS = {"type": "object"}
 
@@ -33,22 +35,22 @@ def function_name(tool_choice: Any) -> str | None:
 
 
 def check_tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any) -> str:
-    """``tool_choice`` as one of ``none``, ``auto``, ``required``, ``named``; ``ValueError``
-    (naming the field) for a value OpenAI does not define or a function not offered."""
+    """``tool_choice`` as one of ``none``, ``auto``, ``required``, ``named``; ``ToolsError``
+    (``param`` "tool_choice") for a value OpenAI does not define or a function not offered."""
     if tool_choice is None:
         return "auto" if tools else "none"
     if tool_choice in ("none", "auto", "required"):
         if tool_choice != "none" and not tools:
-            raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+            raise ToolsError(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
         return tool_choice
     name = function_name(tool_choice)
     if name is None:
-        raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
-                         "{'type': 'function', 'function': {'name': ...}}")
+        raise ToolsError("tool_choice must be 'none', 'auto', 'required' or "
+                         "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
     offered = [t["function"]["name"] for t in tools or ()]
     if name not in offered:
-        raise ValueError(f"tool_choice names function {name!r}, which is not among the tools "
-                         f"offered ({', '.join(offered) or 'none'})")
+        raise ToolsError(f"tool_choice names function {name!r}, which is not among the tools "
+                         f"offered ({', '.join(offered) or 'none'})", "tool_choice")
     return "named"
 
 
@@ -81,3 +83,47 @@ def tool_choice_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: Any,
     repeat = ' ("\\n" call)*' if mode == "required" and parallel_tool_calls else ""
     grammar = f"start: call{repeat}\ncall: {parser.call_grammar(body)}\n"
     return StructuredOutputs(grammar=grammar, param="tool_choice")
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """What a request's tools ask of one generation, in chat terms whatever API it came from:
+    the functions the template is told about, those the model may call, the choice among them
+    and how many calls are kept (the output is parsed for calls unless ``mode`` is none)."""
+
+    offered: list[dict[str, Any]] | None  # chat-format function tools, validated
+    choosable: list[dict[str, Any]] | None  # the ones the model may call
+    choice: Any  # the chat ``tool_choice``
+    mode: str  # none, auto, required or named (check_tool_choice)
+    limit: int | None = None  # the most calls kept, later ones dropped; None: any number
+
+    @classmethod
+    def from_chat(cls, tools: list[dict[str, Any]] | None, tool_choice: Any,
+                  parallel_tool_calls: bool) -> ToolSetup:
+        """A Chat Completions request's tools (already checked by ``check_tools``)."""
+        mode = check_tool_choice(tools, tool_choice)
+        return cls(tools, tools, tool_choice, mode, None if parallel_tool_calls else 1)
+
+    @property
+    def active(self) -> bool:
+        """Whether the output is parsed for calls (and the template sees the tools)."""
+        return self.mode != "none"
+
+    @property
+    def parallel(self) -> bool:
+        return self.limit is None or self.limit > 1
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return self.offered if self.active else None
+
+    def constraint(self, own: StructuredOutputs | None,
+                   parser: ToolCallParser) -> StructuredOutputs | None:
+        """The one output constraint: the request's ``own`` (response_format, text.format or a
+        vLLM extra), else the tool choice's grammar. ``ConstraintError`` where a forced call
+        would also have to be held to ``own``."""
+        if own is not None and self.mode in ("required", "named"):
+            raise ConstraintError(f"a {self.mode} tool choice cannot be combined with another "
+                                  f"output constraint", own.param)
+        if own is not None or not self.active:
+            return own
+        return tool_choice_constraint(self.choosable, self.choice, self.parallel, parser)

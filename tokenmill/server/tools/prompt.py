@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenmill.structured.tool_parsers import ToolCallParser
+from tokenmill.server.tools.parsers import ToolCallParser
 from tokenmill.tokenizer.chat_template import template_variables
 
 
