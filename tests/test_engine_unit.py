@@ -375,3 +375,22 @@ def test_random_drafts_never_change_greedy_output(num_requests: int, max_drafts:
     engine = make_engine(num_blocks, block_size, budget, proposer=ListProposer(drafts))
     finals = run(engine, requests)  # integrity and cached KV checked every step
     assert {k: v.outputs[0].token_ids for k, v in finals.items()} == plain_outputs(requests)
+
+
+def test_a_shut_down_executor_says_so_and_runs_nothing() -> None:
+    """The engine's health check reads the executor's; a step after shutdown fails loudly."""
+    from types import SimpleNamespace
+
+    from tokenmill.executor import ExecutorError, UniProcExecutor
+    from tokenmill.sched.output import SchedulerOutput
+
+    executor = UniProcExecutor(SimpleNamespace(num_blocks=8))
+    executor.check_health()
+    assert executor.kv_capacity == 8 and executor.describe()["workers"] == 1
+    executor.shutdown()
+    with pytest.raises(ExecutorError, match="shut down"):
+        executor.check_health()
+    with pytest.raises(ExecutorError):
+        executor.execute(SchedulerOutput([], 0, [], []))
+    engine = make_engine()
+    engine.check_health()  # the fake executor is always fine

@@ -83,8 +83,11 @@ print(*faults)
 @pytest.mark.skipif(platform.platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_large_temporaries_reuse_the_heap():
     """With configure_allocator, a step's large temporaries settle into reused heap pages:
-    after a few rounds no page faults at all. (glibc's defaults here sometimes settle too and
-    sometimes map and fault ~15,700 pages every round, unmapping or trimming them each time.)"""
+    after a few rounds (almost) no page faults. (glibc's defaults here sometimes settle too and
+    sometimes map and fault ~15,700 pages every round, unmapping or trimming them each time.)
+    Settled rounds still fault a few hundred to ~1,200 pages now and then on some machines
+    (seen on a Xeon with AMX, on every commit alike): the bound is a quarter of one round's
+    fresh pages over the last four rounds, where unsettled rounds fault four whole rounds'."""
     import subprocess
     import sys
 
@@ -92,7 +95,7 @@ def test_large_temporaries_reuse_the_heap():
                          check=True)
     faults = [int(x) for x in out.stdout.split()]
     assert len(faults) == 8 and faults[0] > 4096  # the first round does touch fresh pages
-    assert sum(faults[4:]) < 256, faults
+    assert sum(faults[4:]) < faults[0] // 4, faults
 
 
 def test_this_machine_is_described():

@@ -209,6 +209,14 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
+    def executor_problem(self) -> str | None:
+        """Why the engine's executor cannot run steps (a worker gone), or None."""
+        try:
+            self.engine.check_health()
+        except Exception as e:  # whatever a worker reports, /health says it
+            return f"{type(e).__name__}: {e}"
+        return None
+
     @property
     def error(self) -> str | None:
         """Why the loop stopped, when it died (None while it runs or after a clean stop)."""

@@ -264,6 +264,11 @@ class LLMEngine:
             raise RuntimeError("cannot flush the prefix cache while requests are running")
         return self.scheduler.flush_prefix_cache()
 
+    def check_health(self) -> None:
+        """Raise (``executor.ExecutorError``) when the executor cannot run steps any more.
+        Reads no step state, so any thread may call it."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         """Stop the executor's workers (the model and KV cache go with them); idempotent."""
         self.executor.shutdown()

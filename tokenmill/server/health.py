@@ -28,6 +28,9 @@ class Watchdog:
         if not self.engine.is_alive:
             why = self.engine.error or "the server is shutting down"
             return f"the engine has stopped: {why}"
+        broken = self.engine.executor_problem()
+        if broken is not None:
+            return f"the executor cannot run steps: {broken}"
         running = self.engine.step_seconds
         if running > self.step_timeout:
             return f"an engine step has run for {running:.1f}s (--step-timeout " \
