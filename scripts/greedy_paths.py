@@ -2,8 +2,8 @@
 
 Run it before and after a change that must not alter outputs, then compare the two files:
 
-    python scripts/greedy_paths.py > before.json   # on the old commit
-    python scripts/greedy_paths.py > after.json    # on the new one
+    python scripts/greedy_paths.py --onednn-rows 32 > before.json   # on the old commit
+    python scripts/greedy_paths.py --onednn-rows 32 > after.json    # on the new one
     python scripts/greedy_paths.py --compare before.json after.json
 
 Each path is one engine configuration (dtype, weights, fused or eager step, attention backend,
@@ -42,6 +42,20 @@ PATHS: dict[str, dict] = {
     "fp32-layerskip": dict(dtype="float32", speculative_method="layerskip"),
     "structured": dict(structured=True),
 }
+
+
+def pin_onednn_rows(rows: int) -> None:
+    """Fix the oneDNN trial's answer (0: packed throughout) instead of timing it, in this
+    version of tokenmill or one from before the linear kernels became strategies."""
+    answer = rows or None
+    try:
+        from tokenmill.model.linear import routed
+    except ImportError:  # before model/linear/: the loader timed it
+        from tokenmill.model import loader
+
+        loader.dense_rows_from = lambda timings: answer
+        return
+    routed.dense_rows_from = lambda timings, *args, **kwargs: answer
 
 
 def run_path(options: dict, max_tokens: int) -> dict:
@@ -83,9 +97,14 @@ def main() -> int:
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--onednn-rows", type=int, default=None,
+                    help="pin the rows from which linears go to oneDNN (0: never) instead of "
+                         "the load-time trial, whose timing differs from load to load")
     args = ap.parse_args()
     if args.compare:
         return compare(*args.compare)
+    if args.onednn_rows is not None:
+        pin_onednn_rows(args.onednn_rows)
     result = {name: run_path(PATHS[name], args.max_tokens) for name in args.paths.split(",")}
     json.dump(result, sys.stdout, indent=1)
     print()
