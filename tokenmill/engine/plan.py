@@ -19,11 +19,9 @@ from tokenmill.executor.worker import WorkerSpec
 from tokenmill.model.config_reader import read_model_config, stored_block_formats
 from tokenmill.model.linear.plan import LinearPlan, plan_linears
 from tokenmill.platform import Machine, choose_dtype, choose_kv_cache_dtype
-from tokenmill.runner.kv_cache import (
-    bytes_per_block,
-    check_kv_cache_dtype,
-    default_kv_cache_bytes,
-)
+from tokenmill.runner.kv_cache import (bytes_per_block, check_kv_cache_dtype,
+                                       default_kv_cache_bytes, num_kv_blocks)
+from tokenmill.speculative import layerskip_layers, spec_description
 
 
 @dataclass(frozen=True)
@@ -178,23 +176,15 @@ def _speculative(config: EngineConfig, model_cfg: ModelConfig,
                  dtype: str) -> tuple[dict[str, Any], ModelConfig | None]:
     """What speculation runs and the drafting model's shape (None: no drafting model)."""
     spec = config.speculative
-    method = spec.speculative_method
-    if method is None:
+    if spec.speculative_method is None:
         return {}, None
-    out: dict[str, Any] = {"method": method, "num_speculative_tokens":
-                           spec.num_speculative_tokens, "adaptive": spec.speculative_adaptive}
-    draft_cfg = None
-    if method == "ngram":
-        out.update(prompt_lookup_min=spec.prompt_lookup_min,
-                   prompt_lookup_max=spec.prompt_lookup_max)
-    elif method == "draft":
-        out["model"] = spec.speculative_model
+    if spec.speculative_method == "draft":
         draft_cfg = read_model_config(spec.speculative_model)[1].with_dtype(dtype)
-    else:
-        layers = spec.speculative_draft_layers or max(1, model_cfg.num_layers // 4)
-        out["draft_layers"] = layers
-        draft_cfg = replace(model_cfg, num_layers=layers)
-    return out, draft_cfg
+        return spec_description(spec), draft_cfg
+    if spec.speculative_method == "layerskip":
+        layers = layerskip_layers(spec, model_cfg.num_layers)
+        return spec_description(spec, layers), replace(model_cfg, num_layers=layers)
+    return spec_description(spec), None
 
 
 def _kv(config: EngineConfig, machine: Machine, model_cfg: ModelConfig,
@@ -216,11 +206,9 @@ def _kv(config: EngineConfig, machine: Machine, model_cfg: ModelConfig,
     else:
         budget = default_kv_cache_bytes(machine.device, machine.memory_bytes)
         rule = "a fifth of the host's available memory, at most 4 GiB"
-    blocks = budget // (per_block + draft)
-    if blocks < 2:
-        raise ValueError(f"KV cache budget of {budget} bytes holds less than 2 blocks of "
-                         f"{cache.block_size} tokens; raise --kv-cache-memory")
-    return KVPlan(cache.block_size, int(blocks), per_block, draft, rule)
+    blocks = num_kv_blocks(model_cfg, cache.block_size, dtype, machine.device, budget,
+                           extra_bytes_per_block=draft, kv_cache_dtype=kv_dtype)
+    return KVPlan(cache.block_size, blocks, per_block, draft, rule)
 
 
 def _cpu_step(config: EngineConfig, machine: Machine, model_cfg: ModelConfig, backend: str,

@@ -44,8 +44,7 @@ def load_draft_model(spec: SpeculativeConfig, target: LoadedModel, tokenizer: To
                      device: str, dtype: str, attention_backend: str) -> DraftModel | None:
     """The model that drafts for ``draft`` and ``layerskip``; None for the others."""
     if spec.speculative_method == "layerskip":
-        layers = spec.speculative_draft_layers or max(1, target.config.num_layers // 4)
-        module = EarlyExit(target.model, layers)
+        module = EarlyExit(target.model, layerskip_layers(spec, target.config.num_layers))
         return DraftModel(module, module.config)
     if spec.speculative_method != "draft":
         return None
@@ -93,8 +92,15 @@ def _check_manager(manager: KVBlockManager | None, num_blocks: int, block_size: 
                          f"{manager.block_size}, the KV budget {num_blocks} of {block_size}")
 
 
-def spec_description(spec: SpeculativeConfig, draft: DraftModel | None) -> dict:
-    """The settings that matter for ``spec``'s method (for the log and ``/server_info``)."""
+def layerskip_layers(spec: SpeculativeConfig, num_layers: int) -> int:
+    """How many of the target's ``num_layers`` layers draft under ``layerskip`` (by default a
+    quarter)."""
+    return spec.speculative_draft_layers or max(1, num_layers // 4)
+
+
+def spec_description(spec: SpeculativeConfig, draft_layers: int | None = None) -> dict:
+    """The settings that matter for ``spec``'s method (for the plan, the log and
+    ``/server_info``); ``draft_layers``: layerskip's drafting layers."""
     out = {"method": spec.speculative_method, "num_speculative_tokens":
            spec.num_speculative_tokens, "adaptive": spec.speculative_adaptive}
     if spec.speculative_method == "ngram":
@@ -102,11 +108,11 @@ def spec_description(spec: SpeculativeConfig, draft: DraftModel | None) -> dict:
                    prompt_lookup_max=spec.prompt_lookup_max)
     elif spec.speculative_method == "draft":
         out["model"] = spec.speculative_model
-    elif draft is not None:
-        out["draft_layers"] = draft.config.num_layers
+    elif draft_layers is not None:
+        out["draft_layers"] = draft_layers
     return out
 
 
 __all__ = ["AdaptivePolicy", "DraftModel", "EarlyExit", "ModelDrafter", "NgramProposer",
-           "SpecStats", "SpeculativeDecoder", "build_decoder", "load_draft_model",
-           "spec_description"]
+           "SpecStats", "SpeculativeDecoder", "build_decoder", "layerskip_layers",
+           "load_draft_model", "spec_description"]
