@@ -33,6 +33,10 @@ def parse_kv_cache_memory(text: str) -> tuple[int | None, int | None]:
 
 # Engine flags: (flag, option of EngineConfig.from_options, argparse keywords). Every default
 # is the config dataclasses' own (shown in --help); a flag left out is not passed on at all.
+def _int_tuple(value: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in value.split(","))
+
+
 _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
     ("--device", "device", dict(help="cpu or cuda")),
     ("--dtype", "dtype", dict(choices=["auto", "float32", "bfloat16", "float16"],
@@ -99,6 +103,33 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
         action="store_const", const=False,
         help="speculative decoding: always draft the full k (no choice by measured "
              "acceptance and cost)")),
+    ("--tensor-parallel-size", "tensor_parallel_size", dict(
+        type=int, help="split every layer over this many ranks (processes): heads, "
+                       "intermediate features and vocabulary")),
+    ("--pipeline-parallel-size", "pipeline_parallel_size", dict(
+        type=int, help="split the layers into this many stages, each its own rank(s)")),
+    ("--pp-layer-partition", "pp_layer_partition", dict(
+        type=_int_tuple, help="decoder layers per pipeline stage, comma-separated, e.g. 16,14 "
+                              "(unset: as even as possible)")),
+    ("--distributed-executor-backend", "distributed_executor_backend", dict(
+        choices=["mp", "ray"], help="mp: rank processes spawned here; ray: Ray actors on the "
+                                    "Ray cluster (ray start --head / --address; pip install "
+                                    "tokenmill[ray])")),
+    ("--nnodes", "nnodes", dict(type=int, help="machines the ranks span; node 0 runs the "
+                                               "server, the others --headless")),
+    ("--node-rank", "node_rank", dict(type=int, help="this machine's index among --nnodes")),
+    ("--master-addr", "master_addr", dict(help="node 0's address, which every node reaches")),
+    ("--master-port", "master_port", dict(
+        type=int, help="node 0's rendezvous port (a torch TCPStore); the control plane takes "
+                       "the three ports after it")),
+    ("--cpu-cores-per-rank", "cpu_cores_per_rank", dict(
+        type=int, help="intra-op threads of each rank (unset: this node's cores shared "
+                       "evenly)")),
+    ("--cpu-bind", "cpu_bind", dict(
+        type=lambda v: tuple(v.split("|")),
+        help="per local rank the cores it runs on, '|'-separated, e.g. '0-7|8-15'")),
+    ("--worker-timeout", "worker_timeout", dict(
+        type=float, help="seconds without a rank's heartbeat before it counts as hung")),
     ("--seed", "seed", dict(type=int, help="seed the sampling of requests that give no seed "
                                            "of their own, reproducibly (unset: random)")),
 ]
@@ -344,6 +375,17 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return ChatSession(_make_llm(args), params, args.system).run()
 
 
+def _run_headless(args: argparse.Namespace, options: dict) -> int:
+    import logging
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.build import run_headless_node
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_headless_node(EngineConfig.from_options(args.model, **options))
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import gc
     import os
@@ -363,7 +405,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # fill in a few minutes, then stay flat (benchmarks/soak.py). A user's own setting wins.
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):  # read as torch loads
         os.environ.setdefault(name, "256")
-    engine_options(args)  # bad engine flags fail here, before the server is imported
+    options = engine_options(args)  # bad engine flags fail here, before the server is imported
+    if options.get("node_rank", 0) > 0:  # another node's ranks: no engine, no server here
+        return _run_headless(args, options)
     from tokenmill.server.app import ServerSettings, run_server
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:

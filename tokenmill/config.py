@@ -114,6 +114,62 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """The model split over ``tensor_parallel_size * pipeline_parallel_size`` worker processes
+    (``executor/multiproc.py``), on one machine or over ``nnodes`` of them."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # decoder layers per pipeline stage, e.g. (16, 14); None: as even as the count allows
+    pp_layer_partition: tuple[int, ...] | None = None
+    # "mp" (worker processes spawned here, joined by a torch TCPStore) or "ray" (Ray actors)
+    distributed_executor_backend: str = "mp"
+    nnodes: int = 1
+    node_rank: int = 0  # 0 runs the engine and the server; the others only workers (headless)
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (one node only)
+    # intra-op threads of each rank (None: this node's cores shared evenly between its ranks)
+    cpu_cores_per_rank: int | None = None
+    # per local rank, the cores it runs on, e.g. ("0-7", "8-15") (None: even ranges when the
+    # cores go round, else unbound)
+    cpu_bind: tuple[str, ...] | None = None
+    # a worker is declared hung after this long without a heartbeat
+    worker_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend must be mp or ray, got "
+                             f"{self.distributed_executor_backend!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} outside 0..{self.nnodes - 1}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks (tensor x pipeline parallel) do not "
+                             f"split evenly over {self.nnodes} nodes")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("--nnodes > 1 needs --master-port (and --master-addr)")
+        if self.pp_layer_partition is not None and \
+                len(self.pp_layer_partition) != self.pipeline_parallel_size:
+            raise ValueError(f"pp_layer_partition has {len(self.pp_layer_partition)} stages; "
+                             f"pipeline_parallel_size is {self.pipeline_parallel_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the model runs in worker processes rather than the engine's own."""
+        return self.world_size > 1 or self.nnodes > 1 or self.distributed_executor_backend == "ray"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "cpu"
@@ -146,6 +202,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         # The CPU formats would be dequantized at load on a GPU: refused, not quietly dropped.
@@ -168,7 +225,7 @@ class EngineConfig:
 
 
 _SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
-                              "speculative": SpeculativeConfig}
+                              "speculative": SpeculativeConfig, "parallel": ParallelConfig}
 _SPECULATIVE_METHODS = ("ngram", "draft", "layerskip")
 # speculative options that belong to one method; the others belong to every method
 _SPECULATIVE_OPTION_METHODS = {"prompt_lookup_min": ("ngram",), "prompt_lookup_max": ("ngram",),

@@ -105,6 +105,14 @@ def host_memory_available() -> int:
     return 4 << 30
 
 
+def usable_cpus() -> list[int]:
+    """The CPU ids this process may run on, in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
 def usable_cores() -> int:
     """CPUs this process may run on (its affinity mask, so a container's or taskset's limit)."""
     try:

@@ -182,6 +182,10 @@ class AsyncEngine:
     def info(self) -> EngineInfo:
         return self.engine.info
 
+    def heartbeat_ages(self) -> dict[int, float]:
+        """Per worker rank, seconds since it was last heard from (any thread)."""
+        return self.engine.heartbeat_ages()
+
     @property
     def tokenizer(self) -> Tokenizer:
         """Safe to use from the event loop: tokenizers are thread-safe for encode/decode."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.engine.info import EngineInfo
 from tokenmill.engine.plan import ExecutionPlan, make_plan
 from tokenmill.executor import Executor, UniProcExecutor
+from tokenmill.executor.multiproc import MultiprocExecutor
 from tokenmill.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -48,10 +49,10 @@ def build_engine_parts(config: EngineConfig, plan: ExecutionPlan | None = None) 
     plan = plan or make_plan(config)
     logger.info("%s", plan)
     _set_up_process(config, plan)
-    executor, worker = UniProcExecutor.from_spec(plan.worker_spec())
+    executor, loaded = _start_executor(plan)
     tokenizer = load_tokenizer(config.model)
-    draft = load_draft_model(config.speculative, worker.loaded, tokenizer, config.device,
-                             plan.dtype, plan.attention_backend)
+    draft = load_draft_model(config.speculative, loaded, plan.model_config, tokenizer,
+                             config.device, plan.dtype, plan.attention_backend)
     scheduler = Scheduler(replace(config.scheduler, max_model_len=plan.max_model_len),
                           config.cache, num_blocks=executor.kv_capacity,
                           eos_token_ids={*tokenizer.eos_token_ids,
@@ -62,9 +63,31 @@ def build_engine_parts(config: EngineConfig, plan: ExecutionPlan | None = None) 
                              block_manager=scheduler.block_manager)
     grammars = GrammarBackend(tokenizer.backend.to_str(), plan.model_config.vocab_size,
                               sorted(scheduler.eos_token_ids))
-    return EngineParts(scheduler, executor, tokenizer,
-                       engine_info(config, plan, worker.loaded, executor), proposer,
-                       StructuredOutputManager(grammars, config.jump_forward), config.seed)
+    return EngineParts(scheduler, executor, tokenizer, engine_info(config, plan, executor),
+                       proposer, StructuredOutputManager(grammars, config.jump_forward),
+                       config.seed)
+
+
+def run_headless_node(config: EngineConfig) -> int:
+    """``tokenmill serve --node-rank N`` (N > 0): this node's ranks of the engine that node 0
+    runs; returns when they end (their worst exit status)."""
+    from tokenmill.executor.multiproc import run_headless
+
+    plan = make_plan(config)
+    logger.info("%s", plan)
+    return run_headless(plan.distributed_spec())
+
+
+def _start_executor(plan: ExecutionPlan) -> tuple[Executor, LoadedModel | None]:
+    """The executor the plan asks for, and the loaded model where it is in this process."""
+    if not plan.parallel.distributed:
+        executor, worker = UniProcExecutor.from_spec(plan.worker_spec())
+        return executor, worker.loaded
+    if plan.parallel.distributed_executor_backend == "ray":
+        from tokenmill.executor.ray_launcher import RayLauncher
+
+        return MultiprocExecutor(plan.distributed_spec(), RayLauncher()), None
+    return MultiprocExecutor(plan.distributed_spec()), None
 
 
 def _set_up_process(config: EngineConfig, plan: ExecutionPlan) -> None:
@@ -79,8 +102,7 @@ def _set_up_process(config: EngineConfig, plan: ExecutionPlan) -> None:
         torch.manual_seed(config.seed)
 
 
-def engine_info(config: EngineConfig, plan: ExecutionPlan, loaded: LoadedModel,
-                executor: Executor) -> EngineInfo:
+def engine_info(config: EngineConfig, plan: ExecutionPlan, executor: Executor) -> EngineInfo:
     from tokenmill.platform import cpu_description
 
     details = executor.describe()
@@ -88,6 +110,7 @@ def engine_info(config: EngineConfig, plan: ExecutionPlan, loaded: LoadedModel,
         plan.model, plan.model_config.vocab_size, plan.max_model_len,
         (executor.kv_capacity - 1) * plan.kv.block_size,  # block 0 is padding
         config.scheduler.max_num_seqs, plan.kv.block_size, plan.dtype, plan.dtype_reason,
-        plan.attention_backend, loaded.quantization, plan.kv_cache_dtype,
+        plan.attention_backend, details["quantization"], plan.kv_cache_dtype,
         plan.kv_cache_dtype_reason, details["cuda_graphs"], details["cpu_step"],
-        {} if plan.on_gpu else cpu_description(), plan.speculative, plan=plan.describe())
+        {} if plan.on_gpu else cpu_description(), plan.speculative, plan=plan.describe(),
+        parallel=details if plan.parallel.distributed else {})

@@ -30,6 +30,9 @@ class EngineInfo:
     hardware: dict = field(default_factory=dict)  # the CPU and its instruction sets
     speculative: dict = field(default_factory=dict)  # method and k; empty when off
     plan: dict = field(default_factory=dict)  # the load-time plan (ExecutionPlan.describe)
+    # tensor / pipeline parallel ranks: sizes, the all-reduce, each rank's host, pid, threads,
+    # cores, layers and KV blocks (empty in one process)
+    parallel: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

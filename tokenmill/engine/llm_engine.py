@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.engine.info import EngineInfo, EngineStats, StepInfo
 from tokenmill.engine.output_state import RequestState
+from tokenmill.executor.base import ExecutorError
 from tokenmill.params import SamplingParams
 from tokenmill.request import (
     FinishReason,
@@ -269,6 +270,11 @@ class LLMEngine:
         Reads no step state, so any thread may call it."""
         self.executor.check_health()
 
+    def heartbeat_ages(self) -> dict[int, float]:
+        """Per worker rank, seconds since it was last heard from (``Executor.heartbeat_ages``);
+        any thread may call it."""
+        return self.executor.heartbeat_ages()
+
     def shutdown(self) -> None:
         """Stop the executor's workers (the model and KV cache go with them); idempotent."""
         self.executor.shutdown()
@@ -288,6 +294,8 @@ class LLMEngine:
             outputs = self._step(s)
         except Exception as e:
             self._recover(s, e)
+            if isinstance(e, ExecutorError):  # a worker is gone: no later step can run
+                raise EngineDeadError(f"the executor cannot run steps: {e}") from e
             return []
         if s.out.scheduled:  # work done: earlier failures were not the engine's end
             self._blameless_failures = 0

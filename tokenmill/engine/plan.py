@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig, ModelConfig, ParallelConfig
+from tokenmill.distributed.layout import ParallelLayout
+from tokenmill.executor.multiproc import DistributedSpec
 from tokenmill.executor.worker import WorkerSpec
 from tokenmill.model.config_reader import read_model_config, stored_block_formats
 from tokenmill.model.linear.plan import LinearPlan, plan_linears
@@ -62,6 +64,9 @@ class ExecutionPlan:
     cuda_graphs: str  # "decode batches up to N", or "off: <why>"
     max_num_seqs: int
     speculative: dict[str, Any] = field(default_factory=dict)  # empty when off
+    max_batched_tokens: int = 2048
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
 
     @property
     def on_gpu(self) -> bool:
@@ -78,7 +83,20 @@ class ExecutionPlan:
             draft_bytes_per_block=self.kv.draft_bytes_per_block,
             max_model_len=self.max_model_len, graph_batch=self.graph_batch,
             fuse_cpu_step=fused, governor_threads=self.threads if self.thread_governor else 0,
-            planned_cpu_step="off" if self.on_gpu else self.cpu_step)
+            planned_cpu_step="off" if self.on_gpu else self.cpu_step,
+            max_batched_tokens=self.max_batched_tokens)
+
+    def distributed_spec(self) -> DistributedSpec:
+        """What the multi-process executor starts (``executor/multiproc.py``)."""
+        from tokenmill.platform import usable_cpus
+
+        threads, cpu_sets = rank_threads(self.parallel, self.machine, usable_cpus())
+        settings = {"model": self.model, "dtype": self.dtype, "kv_cache_dtype":
+                    self.kv_cache_dtype, "linear": self.linear.describe(),
+                    "block_size": self.kv.block_size, "num_blocks": self.kv.num_blocks,
+                    "max_model_len": self.max_model_len, "layout": self.layout}
+        return DistributedSpec(self.worker_spec(), self.layout, self.parallel, self.model_config,
+                               threads, cpu_sets, settings)
 
     @property
     def graph_batch(self) -> int:
@@ -102,7 +120,16 @@ class ExecutionPlan:
             "threads": {"count": self.threads, "governor": self.thread_governor},
             "cpu_step": self.cpu_step, "cuda_graphs": self.cuda_graphs,
             "speculative": self.speculative or "off",
+            "parallel": self._describe_parallel(),
         }
+
+    def _describe_parallel(self) -> dict[str, Any] | str:
+        p = self.parallel
+        if not p.distributed:
+            return "one process"
+        return {"tensor": p.tensor_parallel_size, "pipeline": p.pipeline_parallel_size,
+                "stage_layers": list(self.layout.stage_layers),
+                "backend": p.distributed_executor_backend, "nnodes": p.nnodes}
 
     def __str__(self) -> str:
         return format_plan(self.describe())
@@ -143,18 +170,62 @@ def make_plan(config: EngineConfig, machine: Machine | None = None) -> Execution
     max_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                   model_cfg.max_position_embeddings)
     speculative, draft_cfg = _speculative(config, model_cfg, dtype)
-    threads = 0 if machine.on_gpu else (config.num_threads or machine.cores)
+    layout = ParallelLayout.plan(config.parallel, model_cfg)
+    _check_parallel(config, layout)
+    # distributed, the engine's process only samples: the cores are the ranks'
+    threads = 0 if machine.on_gpu else 1 if config.parallel.distributed else \
+        (config.num_threads or machine.cores)
     return ExecutionPlan(
         machine=machine, model=str(source.path), model_config=model_cfg, device=config.device,
         dtype=dtype, dtype_reason=dtype_reason, kv_cache_dtype=kv_dtype,
         kv_cache_dtype_reason=kv_reason, attention_backend=backend,
         attention_reason=backend_reason, linear=linear,
-        kv=_kv(config, machine, model_cfg, draft_cfg, kv_dtype), max_model_len=max_len,
+        kv=_kv(config, machine, model_cfg, draft_cfg, kv_dtype, layout), max_model_len=max_len,
         threads=threads, thread_governor=config.num_threads is None and threads > 1,
         cpu_step=_cpu_step(config, machine, model_cfg, backend, linear,
                            bool(stored_block_formats(source))),
         cuda_graphs=_cuda_graphs(config, machine, backend),
-        max_num_seqs=config.scheduler.max_num_seqs, speculative=speculative)
+        max_num_seqs=config.scheduler.max_num_seqs, speculative=speculative,
+        max_batched_tokens=config.scheduler.max_num_batched_tokens, parallel=config.parallel,
+        layout=layout)
+
+
+def _check_parallel(config: EngineConfig, layout: ParallelLayout) -> None:
+    """What the ranks cannot run yet, refused before anything starts."""
+    if not config.parallel.distributed:
+        return
+    if config.speculative.speculative_method == "layerskip":
+        raise ValueError("speculative_method layerskip drafts with the target's own layers in "
+                         "the engine's process; with tensor / pipeline parallel ranks use "
+                         "ngram or draft")
+
+
+def rank_threads(parallel: ParallelConfig, machine: Machine, cpus: list[int]
+                 ) -> tuple[int, tuple[tuple[int, ...] | None, ...]]:
+    """Each local rank's threads and cores: ``cpu_bind`` as given, else even shares of this
+    node's cores, each bound to its own range when they go round (else unbound)."""
+    local = parallel.ranks_per_node
+    if parallel.cpu_bind is not None:
+        if len(parallel.cpu_bind) != local:
+            raise ValueError(f"cpu_bind names {len(parallel.cpu_bind)} core sets for {local} "
+                             "ranks on this node")
+        sets = tuple(tuple(_parse_cpus(b)) for b in parallel.cpu_bind)
+        return parallel.cpu_cores_per_rank or min(map(len, sets)), sets
+    per = parallel.cpu_cores_per_rank or max(1, len(cpus) // local)
+    if machine.on_gpu or parallel.distributed_executor_backend == "ray":  # Ray places them
+        return (1 if machine.on_gpu else per), (None,) * local
+    if per * local > len(cpus):
+        return per, (None,) * local
+    return per, tuple(tuple(cpus[i * per:(i + 1) * per]) for i in range(local))
+
+
+def _parse_cpus(spec: str) -> list[int]:
+    """"0-3,8" -> [0, 1, 2, 3, 8]."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def _attention(config: EngineConfig, machine: Machine) -> tuple[str, str]:
@@ -188,12 +259,15 @@ def _speculative(config: EngineConfig, model_cfg: ModelConfig,
 
 
 def _kv(config: EngineConfig, machine: Machine, model_cfg: ModelConfig,
-        draft_cfg: ModelConfig | None, kv_dtype: str) -> KVPlan:
+        draft_cfg: ModelConfig | None, kv_dtype: str, layout: ParallelLayout) -> KVPlan:
     import torch
 
     cache = config.cache
     dtype = getattr(torch, model_cfg.dtype)
-    per_block = bytes_per_block(model_cfg, cache.block_size, dtype, kv_dtype)
+    # parallel ranks: this node's ranks' K/V per block (as if one model held all their
+    # layers), from one budget
+    node_cfg = _node_kv_shape(model_cfg, layout, config.parallel.ranks_per_node)
+    per_block = bytes_per_block(node_cfg, cache.block_size, dtype, kv_dtype)
     # A drafting model's cache holds as many tokens as the target's, within one budget.
     draft = bytes_per_block(draft_cfg, cache.block_size, dtype) if draft_cfg else 0
     if cache.num_blocks is not None:
@@ -206,9 +280,19 @@ def _kv(config: EngineConfig, machine: Machine, model_cfg: ModelConfig,
     else:
         budget = default_kv_cache_bytes(machine.device, machine.memory_bytes)
         rule = "a fifth of the host's available memory, at most 4 GiB"
-    blocks = num_kv_blocks(model_cfg, cache.block_size, dtype, machine.device, budget,
+    blocks = num_kv_blocks(node_cfg, cache.block_size, dtype, machine.device, budget,
                            extra_bytes_per_block=draft, kv_cache_dtype=kv_dtype)
     return KVPlan(cache.block_size, blocks, per_block, draft, rule)
+
+
+def _node_kv_shape(model_cfg: ModelConfig, layout: ParallelLayout, ranks: int) -> ModelConfig:
+    """A shape whose KV block costs what one block costs ``ranks`` ranks of the largest stage
+    together (the model itself at one rank)."""
+    if layout.world_size == 1:
+        return model_cfg
+    sizes = layout.stage_layers
+    rank_cfg = layout.position(sizes.index(max(sizes)) * layout.tp_size).local_config(model_cfg)
+    return replace(rank_cfg, num_layers=rank_cfg.num_layers * ranks)
 
 
 def _cpu_step(config: EngineConfig, machine: Machine, model_cfg: ModelConfig, backend: str,

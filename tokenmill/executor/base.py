@@ -47,3 +47,8 @@ class Executor(ABC):
     def describe(self) -> dict[str, Any]:
         """What the workers run as (for the log and ``/server_info``)."""
         return {}
+
+    def heartbeat_ages(self) -> dict[int, float]:
+        """Seconds since each worker rank was last heard from ({}: the workers are in this
+        process); any thread may call it."""
+        return {}

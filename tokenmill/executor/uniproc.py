@@ -28,7 +28,8 @@ class UniProcExecutor(Executor):
         a drafter in the same process may share)."""
         worker = build_worker(spec)
         details = {"cpu_step": worker.cpu_step,
-                   "cuda_graphs": worker.runner.graphs_description()}
+                   "cuda_graphs": worker.runner.graphs_description(),
+                   "quantization": worker.loaded.quantization}
         return cls(worker.runner, details), worker
 
     def execute(self, out: SchedulerOutput, masks: RowMasks | None = None,

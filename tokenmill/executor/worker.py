@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenmill.distributed.groups import Comm
+    from tokenmill.distributed.layout import RankPosition
     from tokenmill.model.linear.plan import LinearPlan
     from tokenmill.model.loader import LoadedModel
     from tokenmill.runner.model_runner import ModelRunner
@@ -34,6 +36,7 @@ class WorkerSpec:
     fuse_cpu_step: bool = False  # the decoder layers as one C++ call (runner/cpu_step.py)
     governor_threads: int = 0  # a ThreadGovernor over this many threads (0: none)
     planned_cpu_step: str = "off"  # what the plan said of the CPU step, reported when unfused
+    max_batched_tokens: int = 2048  # the scheduler's token budget of a step
 
 
 @dataclass
@@ -43,19 +46,22 @@ class Worker:
     cpu_step: str  # what runs: "fused ...", "eager: <why>", or "off" on a GPU
 
 
-def build_worker(spec: WorkerSpec) -> Worker:
+def build_worker(spec: WorkerSpec, position: RankPosition | None = None,
+                 comm: Comm | None = None) -> Worker:
     """Load the model as ``spec.linear`` says, allocate its KV cache, and set up graphs, the
-    fused CPU step and the thread governor where the spec has them."""
+    fused CPU step and the thread governor where the spec has them. ``position``: only this
+    rank's part of the model, joined to the others' by ``comm`` (tensor / pipeline parallel)."""
     from tokenmill.model.gguf_file import release_gguf
     from tokenmill.model.loader import load_model
     from tokenmill.runner.model_runner import ModelRunner
 
     loaded = load_model(spec.model, spec.device, spec.dtype, spec.attention_backend,
-                        spec.linear.quantization, plan=spec.linear)
+                        spec.linear.quantization, plan=spec.linear, position=position,
+                        comm=comm)
     release_gguf()  # the weights are in: the file's parsed index is not needed any more
     runner = ModelRunner(loaded, _num_blocks(spec, loaded), spec.block_size, spec.device,
                          spec.kv_cache_dtype)
-    return Worker(runner, loaded, _set_up_step(spec, runner))
+    return Worker(runner, loaded, _set_up_step(spec, runner, comm))
 
 
 def _num_blocks(spec: WorkerSpec, loaded: LoadedModel) -> int:
@@ -70,7 +76,7 @@ def _num_blocks(spec: WorkerSpec, loaded: LoadedModel) -> int:
                          kv_cache_dtype=spec.kv_cache_dtype)
 
 
-def _set_up_step(spec: WorkerSpec, runner: ModelRunner) -> str:
+def _set_up_step(spec: WorkerSpec, runner: ModelRunner, comm: Comm | None = None) -> str:
     if spec.graph_batch:
         runner.capture_graphs(spec.graph_batch, spec.max_model_len)
     if spec.governor_threads:
@@ -79,7 +85,10 @@ def _set_up_step(spec: WorkerSpec, runner: ModelRunner) -> str:
         runner.governor = ThreadGovernor(spec.governor_threads)
     if not spec.fuse_cpu_step:
         return spec.planned_cpu_step
-    built = runner.fuse_cpu_step()
+    if comm is not None and comm.tp_group is not None and comm.shm is None:
+        return "eager: the TP group all-reduces through gloo (its ranks span hosts, or no " \
+               "shared-memory all-reduce), which the C++ step cannot call"
+    built = runner.fuse_cpu_step(None if comm is None or comm.shm is None else comm.shm.native)
     if not built.startswith("fused"):
         logger.warning("the plan fused the CPU step, but the loaded model runs %s", built)
     return built

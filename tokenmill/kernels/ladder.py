@@ -107,6 +107,10 @@ LADDER: tuple[Rung, ...] = (
          "tests/test_cpu_step.py::test_fused_step_equals_layer_by_layer",
          "python benchmarks/step_overhead.py --sampling greedy [--enforce-eager]",
          timed_as="fused CPU step"),
+    Rung("all-reduce over one host's ranks, shared memory", "ShmAllReduce", "shm_allreduce.h",
+         ("torch.distributed.all_reduce",),
+         "tests/test_shm_allreduce.py::test_every_rank_gets_the_rank_order_sum_bit_for_bit",
+         "python benchmarks/allreduce.py"),
 )
 
 # Bindings that are not kernels of their own: weight packing for a rung's GEMM, what a kernel

@@ -101,10 +101,13 @@ class Linear(nn.Module):
 
 class Embedding(nn.Module):
     """Token embedding; rows are looked up from ``quant`` when the table is stored quantized
-    (a GGUF's Q8_0 table, or one tied to a quantized output layer)."""
+    (a GGUF's Q8_0 table, or one tied to a quantized output layer). Vocabulary-parallel (a
+    ``comm`` given): this rank holds rows ``vocab_start ..`` of the table, looks up the ids
+    that fall there, zeros for the others, and the ranks' lookups are all-reduced."""
 
-    def __init__(self, num_embeddings: int, dim: int):
+    def __init__(self, num_embeddings: int, dim: int, vocab_start: int = 0, comm=None):
         super().__init__()
+        self.vocab_start, self.comm, self.num_embeddings = vocab_start, comm, num_embeddings
         self.weight = empty_param(num_embeddings, dim)
         self.quant: QuantWeight | None = None
         self.quant_parts: dict = {}
@@ -117,6 +120,15 @@ class Embedding(nn.Module):
         self.quant_parts[None] = qw
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return self._lookup(input_ids)
+        ids = input_ids - self.vocab_start
+        elsewhere = (ids < 0) | (ids >= self.num_embeddings)
+        h = self._lookup(ids.masked_fill(elsewhere, 0))
+        h.masked_fill_(elsewhere.unsqueeze(1), 0)
+        return self.comm.all_reduce(h)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return embedding_rows(input_ids, self.quant, self.dtype)
         return F.embedding(input_ids, self.weight)

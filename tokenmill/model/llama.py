@@ -3,6 +3,13 @@
 The differences are config flags: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), RoPE
 scaling (Llama 3), tied embeddings (SmolLM2, small Qwens). Input is a flat batch of tokens of
 many requests; K/V go to and come from the paged cache through the attention backend.
+
+Under tensor / pipeline parallelism (``comm``, a ``distributed.groups.Comm``) the model is built
+from the rank's own shape (``RankPosition.local_config``): the o_proj and down_proj outputs are
+partial sums, all-reduced over the rank's TP group before the residual add; the embedding looks
+up the rank's vocabulary rows and is all-reduced; lm_head's logits are gathered to TP rank 0. A
+stage after the first starts from the previous stage's ``(h, residual)``, a stage before the last
+returns them instead of logits.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
         super().__init__()
+        self.comm = comm  # partial o_proj sums are all-reduced (tensor parallel)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         shards = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
@@ -48,12 +56,14 @@ class LlamaAttention(nn.Module):
             k = apply_rope(self.k_norm(k.view(n, kv_heads, d)), rope)
         v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(n, -1))
+        out = self.o_proj(o.reshape(n, -1))
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, comm=None):
         super().__init__()
+        self.comm = comm
         size = cfg.intermediate_size
         self.gate_up_proj = ShardedLinear(cfg.hidden_size, {0: size, 1: size}, bias=cfg.mlp_bias)
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -63,16 +73,17 @@ class LlamaMLP(nn.Module):
         h = self.gate_up_proj(x)
         if not self.gate_up_proj.kernel.applies_silu:  # else done in the GEMM's epilogue
             h = silu_and_mul(h, self.cpu_ops)
-        return self.down_proj(h)
+        out = self.down_proj(h)
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend)
+        self.self_attn = LlamaAttention(cfg, backend, comm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, comm)
 
     def forward(self, rope, h, residual, kv_cache: KVCache, meta: AttentionMetadata):
         if residual is None:
@@ -85,12 +96,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.comm = comm
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size,
+                                      *((comm.vocab_start, comm) if comm is not None else ()))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, comm)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # the layer loop in one call (runner/cpu_step.py), set by the runner where it applies;
@@ -99,20 +112,26 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata,
-                num_layers: int | None = None) -> torch.Tensor:
+                num_layers: int | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Hidden states after the first ``num_layers`` decoder layers (all: None) and the
-        final norm; ``kv_caches`` holds at least those layers' caches."""
+        final norm; ``kv_caches`` holds at least those layers' caches. A pipeline stage after
+        the first starts from the previous stage's ``intermediate`` (h, residual); one before
+        the last returns its (h, residual) without the norm."""
         n = self.layer_count(num_layers, kv_caches)
-        h = self.embed_tokens(input_ids)
+        h, residual = (self.embed_tokens(input_ids), None) if intermediate is None \
+            else intermediate
         rope = self.rotary(positions)
         fused = None if self.fused_layers is None else \
-            self.fused_layers(h, rope, kv_caches, meta, n)
+            self.fused_layers(h, rope, kv_caches, meta, n, residual=residual)
         if fused is not None:
             h, residual = fused
         else:
-            residual = None
             for layer, kv_cache in zip(self.layers, kv_caches[:n]):
                 h, residual = layer(rope, h, residual, kv_cache, meta)
+        if self.comm is not None and not self.comm.is_last_stage:
+            return h, residual
         h, _ = self.norm(h, residual)
         return h
 
@@ -127,10 +146,11 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend)
+        self.comm = comm
+        self.model = LlamaModel(cfg, backend, comm)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.share_weight(self.model.embed_tokens.weight)
@@ -138,11 +158,20 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata,
                 logits_indices: torch.Tensor | None = None, *,
-                num_layers: int | None = None) -> torch.Tensor:
+                num_layers: int | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """Logits ``(len(logits_indices), vocab)`` for the chosen rows of the flat batch only.
         ``num_layers``: run only the first that many decoder layers, then the final norm and
-        lm_head (early exit: layer-skip drafting); ``kv_caches`` may then hold just theirs."""
-        h = self.model(input_ids, positions, kv_caches, meta, num_layers)  # (num_tokens, hidden)
+        lm_head (early exit: layer-skip drafting); ``kv_caches`` may then hold just theirs.
+        Parallel: a stage before the last returns its (h, residual), the last stage's TP
+        ranks other than the first return None (their logits went to it)."""
+        h = self.model(input_ids, positions, kv_caches, meta, num_layers, intermediate)
+        if isinstance(h, tuple):
+            return h
         if logits_indices is not None:
-            h = h[logits_indices]
-        return self.lm_head(h).float()
+            h = h[logits_indices]  # (rows, hidden)
+        logits = self.lm_head(h)
+        if self.comm is not None:
+            logits = self.comm.gather_logits(logits)
+        return None if logits is None else logits.float()

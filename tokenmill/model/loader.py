@@ -11,6 +11,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionBackend, default_backend, get_backend
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.layout import RankPosition
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.cpu import load as load_cpu_kernels
 from tokenmill.model.linear import LinearPlan, plan_linears
@@ -18,6 +19,7 @@ from tokenmill.model.linear.setup import apply_formats, build_kernels, choose_on
 from tokenmill.model.linear.setup import describe_weights, route_to_onednn
 from tokenmill.model.quant import QUANTIZATIONS, QuantWeight, dequantize
 from tokenmill.model.registry import model_class
+from tokenmill.model.sharding import rank_slice, stage_name
 from tokenmill.model_source import ModelSource, resolve_model
 from tokenmill.platform import Machine
 
@@ -40,6 +42,8 @@ class LoadedModel:
     source: ModelSource
     quantization: str = "none"  # the linear weights' formats as loaded (describe_weights)
     plan: LinearPlan | None = None  # what the linears were built from
+    # tensor / pipeline parallel: this rank's place (``config`` is then its part's shape)
+    position: RankPosition | None = None
     # per linear layer, the kernel it got (a size the plan's first kernel cannot take shows
     # its fallback) and, where the oneDNN trial ran, the rows it routed from (None: none)
     kernels: dict[str, str] = field(default_factory=dict)
@@ -48,11 +52,14 @@ class LoadedModel:
 
 def load_model(model: str, device: str = "cpu", dtype: str = "float32",
                attention_backend: str = "auto", quantization: str = "none", *,
-               plan: LinearPlan | None = None) -> LoadedModel:
+               plan: LinearPlan | None = None, position: RankPosition | None = None,
+               comm=None) -> LoadedModel:
     """Load ``model`` (a path or known name) onto ``device`` with weights in ``dtype``;
     attention by the named backend (``auto``: ``default_backend(device)``); linear weights
     quantized as ``quantization`` says (model/quant.py) and multiplied by the kernels ``plan``
-    names (None: ``plan_linears`` for this machine; a plan replaces ``quantization``)."""
+    names (None: ``plan_linears`` for this machine; a plan replaces ``quantization``).
+    ``position``: only this rank's part of the model (``model/sharding.py``), joined to the
+    other ranks' by ``comm`` (``distributed.groups.Comm``)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; use one of "
                          f"{', '.join(QUANTIZATIONS)}")
@@ -67,9 +74,12 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
         log.warning(note)
     source = resolve_model(model)
     cfg, weights = read_checkpoint(source, dtype, plan.keep_gguf_blocks)
-    module = build_model(cfg, device, backend)
+    local = cfg if position is None else position.local_config(cfg)
+    module = build_model(local, device, backend, comm)
+    if position is not None:
+        weights = _rank_weights(weights, position, cfg)
     load_weights(module, weights, str(source.path))
-    loaded = LoadedModel(module, cfg, source, plan=plan)
+    loaded = LoadedModel(module, local, source, plan=plan, position=position)
     build_linears(loaded, ops)
     return loaded
 
@@ -114,14 +124,27 @@ def build_linears(loaded: LoadedModel, ops) -> None:
                       if hasattr(m, "kernel")}
 
 
-def build_model(cfg: ModelConfig, device: str, backend: AttentionBackend) -> nn.Module:
+def _rank_weights(weights: Iterable[tuple[str, torch.Tensor]], position: RankPosition,
+                  cfg: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint as this rank sees it: its stage's layers renumbered, each tensor cut to
+    the rank's slice before anything else holds it."""
+    for name, tensor in weights:
+        local = stage_name(name, position)
+        if local is not None:
+            target, shard = _target(local)
+            yield local, rank_slice(target, shard, tensor, position, cfg)
+
+
+def build_model(cfg: ModelConfig, device: str, backend: AttentionBackend,
+                comm=None) -> nn.Module:
     # Parameters are created directly in the compute dtype on the device; RoPE tables ask
     # for float32 explicitly and stay that way.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, cfg.dtype))
     try:
         with torch.device(device):
-            module = model_class(cfg.architecture)(cfg, backend)
+            cls = model_class(cfg.architecture)
+            module = cls(cfg, backend) if comm is None else cls(cfg, backend, comm=comm)
     finally:
         torch.set_default_dtype(previous)
     return module.eval()

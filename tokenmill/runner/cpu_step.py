@@ -12,6 +12,11 @@ there is no start-up cost. ``--enforce-eager`` keeps the Python path. Each linea
 (``model/linear/``) hands over what the C++ step multiplies it with (``StepWeight``), filled
 into the kernels' named ``LayerWeights``; ``num_layers`` runs only the first layers, as the
 eager model does for layer-skip drafting.
+
+Under tensor parallelism the model's layers hold a rank's share (its heads, its part of the
+MLP), and the step takes the group's shared-memory all-reduce (``distributed/shm.py``'s
+``native``), which sums the o_proj and down outputs over the ranks inside the C++ call. A
+pipeline stage after the first passes the previous stage's ``residual`` beside ``h``.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ class CpuStep:
     model's ``fused_layers``. Returns None for a forward it cannot take (a cache the kernel
     does not read), which then runs eagerly."""
 
-    def __init__(self, model: torch.nn.Module):
-        """The fused step for ``model``, a ``LlamaForCausalLM`` that ``unsupported`` passed."""
+    def __init__(self, model: torch.nn.Module, all_reduce: object | None = None):
+        """The fused step for ``model``, a ``LlamaForCausalLM`` that ``unsupported`` passed.
+        ``all_reduce``: None (one rank), or the kernels' ``ShmAllReduce`` of the model's
+        tensor-parallel group, which then sums the o_proj and down outputs over the ranks."""
         inner = model.model
         attn = inner.layers[0].self_attn
         ops = attn.backend.ops
@@ -57,14 +64,18 @@ class CpuStep:
         self.stack = ops.DecoderStack(
             layers, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             inner.layers[0].input_layernorm.eps, attn.scale, TILE, CASCADE_TILE,
-            self.dense_from_rows or 0)
+            self.dense_from_rows or 0, all_reduce)
+        self.all_reduce = all_reduce
         self.backend: CpuPagedBackend = attn.backend
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 kv_caches: list, meta, num_layers: int | None = None
+                 kv_caches: list, meta, num_layers: int | None = None,
+                 residual: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h, residual) after the first ``num_layers`` layers (all: None), before the final
-        norm; None for a forward the kernels do not take."""
+        norm; None for a forward the kernels do not take. ``residual``: a pipeline stage's
+        input beside ``h`` (the previous stage's output), which the first layer's input norm
+        adds ``h`` to; None on the first stage."""
         if h.dtype != self.dtype or self.backend._reference_for(kv_caches[0], h.dtype):
             return None
         n = len(kv_caches) if num_layers is None else num_layers
@@ -74,7 +85,7 @@ class CpuStep:
             h, cos.squeeze(1), sin.squeeze(1), [k for k, _ in kv_caches[:n]],
             [v for _, v in kv_caches[:n]], meta.slot_mapping,
             meta.block_tables, meta.query_start_loc, plan.key_start_block, plan.key_limit,
-            plan.empty, list(plan.shared) if plan.shared is not None else [], n)
+            plan.empty, list(plan.shared) if plan.shared is not None else [], n, residual)
         return h, residual
 
 

@@ -59,15 +59,16 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
-    def fuse_cpu_step(self) -> str:
+    def fuse_cpu_step(self, all_reduce=None) -> str:
         """Run the decoder layers through one C++ call per forward where the model allows it
         (``cpu_step.py``); returns what the engine reports: "fused" (and from how many rows
         a batch's linears run through oneDNN: ``CpuStep.dense_from_rows``), or
-        "eager: <why not>"."""
+        "eager: <why not>". ``all_reduce``: tensor parallel, the shared-memory all-reduce
+        (``distributed/shm.py``) the step calls after o_proj and down_proj."""
         why = unsupported(self.model)
         if why is not None:
             return f"eager: {why}"
-        step = self.model.model.fused_layers = CpuStep(self.model)
+        step = self.model.model.fused_layers = CpuStep(self.model, all_reduce=all_reduce)
         if step.dense_from_rows is not None:
             return f"fused; linears through oneDNN from {step.dense_from_rows} rows"
         return "fused"
@@ -101,10 +102,7 @@ class ModelRunner:
         was drawn from (a draft model's), for the rejection rule."""
         logits = self.governor.run(lambda: self.forward(chunks)) if self.governor \
             else self.forward(chunks)
-        rows = sampling_rows(chunks, draft_probs)
-        if masks is not None:
-            masks.apply(rows)
-        return accept_tokens(chunks, self.sampler(logits, rows, owned=True))
+        return sample_step(self.sampler, chunks, logits, masks, draft_probs)
 
     def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                         stop_ids: frozenset[int] = frozenset()) -> list[int]:
@@ -125,6 +123,18 @@ class ModelRunner:
                 break
             chunk = Chunk([token], len(prompt_ids) + len(out) - 1, table)
         return out
+
+
+def sample_step(sampler: Sampler, chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
+                masks: RowMasks | None = None,
+                draft_probs: Mapping[str, Sequence[torch.Tensor | None]] | None = None
+                ) -> ModelOutput:
+    """Sample a step's ``logits`` (one row per scored position, in chunk order) and accept
+    each chunk's tokens; the grammar ``masks`` are waited for and applied first."""
+    rows = sampling_rows(chunks, draft_probs)
+    if masks is not None:
+        masks.apply(rows)
+    return accept_tokens(chunks, sampler(logits, rows, owned=True))
 
 
 def sampling_rows(chunks: Sequence[ScheduledChunk],

@@ -84,6 +84,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
                   lifespan=_lifespan(pipeline, watchdog, settings))
     app.state.engine = async_engine
     app.state.pipeline = pipeline
+    app.state.watchdog = watchdog
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
     if settings.api_key:
@@ -280,7 +281,8 @@ def _validation_api_error(e: RequestValidationError) -> APIError:
 # ----- running ----------------------------------------------------------------------------------
 
 def run_server(engine, settings: ServerSettings, log_level: str = "info") -> int:
-    """Serve until SIGINT/SIGTERM; running requests get ``shutdown_timeout`` s; returns 0."""
+    """Serve until SIGINT/SIGTERM; running requests get ``shutdown_timeout`` s; returns 0 (1
+    when the executor broke: a worker process died or hung)."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(engine, settings)
@@ -291,6 +293,8 @@ def run_server(engine, settings: ServerSettings, log_level: str = "info") -> int
                             timeout_graceful_shutdown=int(settings.shutdown_timeout) + 5,
                             access_log=False)
     server = _DrainingServer(config, app.state.engine, settings.shutdown_timeout)
+    # a worker process gone: the server ends, non-zero, for its supervisor to restart it
+    app.state.watchdog.on_broken = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it is done; a no-op handler makes a
     # graceful SIGTERM exit with status 0 instead of dying of the signal.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -300,6 +304,8 @@ def run_server(engine, settings: ServerSettings, log_level: str = "info") -> int
     gc.collect()
     gc.freeze()
     server.run()
+    if app.state.watchdog.broken:
+        return 1
     return 0 if server.started else 1
 
 

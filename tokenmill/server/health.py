@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 
 from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
                                            EngineUnavailableError, RequestFailedError)
@@ -16,12 +17,16 @@ logger = logging.getLogger("tokenmill.server")
 
 class Watchdog:
     """Watches the engine loop: a step running longer than ``step_timeout`` s (a hung kernel,
-    a stuck lock) makes /health answer 503 until it ends; a loop that died is logged once."""
+    a stuck lock) makes /health answer 503 until it ends; a loop that died is logged once. An
+    executor that broke (a worker process died or hung) calls ``on_broken`` once: the server
+    then exits, non-zero, for a supervisor to restart it."""
 
     def __init__(self, engine: AsyncEngine, step_timeout: float):
         self.engine = engine
         self.step_timeout = step_timeout
         self.healthy = True  # as of the last check (for the log lines)
+        self.broken = False
+        self.on_broken: Callable[[], None] = lambda: None
 
     def problem(self) -> str | None:
         """Why /health answers 503 now (read at each call), or None."""
@@ -53,6 +58,16 @@ class Watchdog:
             if not self.engine.is_alive and not reported_dead:
                 logger.error("watchdog: the engine loop is not running; /health answers 503")
                 reported_dead = True
+            self._check_executor()
+
+    def _check_executor(self) -> None:
+        if self.broken:
+            return
+        problem = self.engine.executor_problem()
+        if problem is not None:
+            self.broken = True
+            logger.error("watchdog: the executor cannot run steps (%s); exiting", problem)
+            self.on_broken()
 
 
 async def probe(engine: AsyncEngine, timeout: float) -> tuple[str, str | None]:

@@ -139,6 +139,19 @@ class _EngineCounters:
     def __init__(self, metrics: ServerMetrics):
         self._metrics = metrics
 
+    @staticmethod
+    def _ranks(engine, model: list[str]):
+        """Tensor / pipeline parallel ranks: how long since each was heard from."""
+        ages = engine.heartbeat_ages() if engine is not None else {}
+        if not ages:
+            return
+        gauge = GaugeMetricFamily("tokenmill:worker_heartbeat_age_seconds",
+                                  "Seconds since each worker rank's last heartbeat.",
+                                  labels=["model_name", "rank"])
+        for rank, age in ages.items():
+            gauge.add_metric([*model, str(rank)], age)
+        yield gauge
+
     def collect(self):
         engine = self._metrics._engine
         stats = engine.snapshot.stats if engine is not None else None
@@ -147,6 +160,7 @@ class _EngineCounters:
             family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
             family.add_metric(model, getattr(stats, field) if stats is not None else 0.0)
             yield family
+        yield from self._ranks(engine, model)
         spec = stats.spec if stats is not None else None
         if spec is None:
             return

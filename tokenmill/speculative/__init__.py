@@ -40,11 +40,17 @@ class DraftModel:
     config: ModelConfig
 
 
-def load_draft_model(spec: SpeculativeConfig, target: LoadedModel, tokenizer: Tokenizer,
-                     device: str, dtype: str, attention_backend: str) -> DraftModel | None:
-    """The model that drafts for ``draft`` and ``layerskip``; None for the others."""
+def load_draft_model(spec: SpeculativeConfig, target: LoadedModel | None,
+                     target_config: ModelConfig, tokenizer: Tokenizer, device: str, dtype: str,
+                     attention_backend: str) -> DraftModel | None:
+    """The model that drafts for ``draft`` and ``layerskip``; None for the others. ``target``:
+    the target model where it is in this process (layerskip drafts with its first layers);
+    ``target_config``: its shape."""
     if spec.speculative_method == "layerskip":
-        module = EarlyExit(target.model, layerskip_layers(spec, target.config.num_layers))
+        if target is None:
+            raise ValueError("layerskip drafts with the target's own layers, which run in "
+                             "other processes here")
+        module = EarlyExit(target.model, layerskip_layers(spec, target_config.num_layers))
         return DraftModel(module, module.config)
     if spec.speculative_method != "draft":
         return None
@@ -52,9 +58,9 @@ def load_draft_model(spec: SpeculativeConfig, target: LoadedModel, tokenizer: To
     from tokenmill.tokenizer import load_tokenizer
 
     draft = load_model(spec.speculative_model, device, dtype, attention_backend)
-    if draft.config.vocab_size != target.config.vocab_size:
+    if draft.config.vocab_size != target_config.vocab_size:
         raise ValueError(f"draft model {spec.speculative_model!r} has a vocabulary of "
-                         f"{draft.config.vocab_size} tokens, the target {target.config.vocab_size}"
+                         f"{draft.config.vocab_size} tokens, the target {target_config.vocab_size}"
                          "; speculative decoding needs the same vocabulary")
     if load_tokenizer(spec.speculative_model).backend.get_vocab() != \
             tokenizer.backend.get_vocab():

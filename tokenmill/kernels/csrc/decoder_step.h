@@ -30,6 +30,15 @@
 //
 // The weights come by name (LayerWeights), filled from each linear's kernel; the two dtypes
 // share one layer loop (DecoderStack::run), what differs between them in Bf16Step / F32Step.
+//
+// Tensor parallelism: each rank holds its heads' rows of qkv and its share of gate/up, and
+// the matching columns of o_proj and down (whose outputs are then partial sums); given an
+// all-reduce (shm_allreduce.h), those two outputs are summed over the ranks before the
+// residual add, as LlamaDecoderLayer does it with one: the GEMM without the residual, the
+// all-reduce, then y + residual and the norm (sum_norm), each rounding as the eager ops do.
+// Pipeline parallelism: a stage after the first starts from the previous stage's (h,
+// residual), its first layer's input norm then joining them (sum_norm) as the next layer's
+// would have.
 
 #pragma once
 
@@ -41,6 +50,7 @@
 #include "kv_cache.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
+#include "shm_allreduce.h"
 
 #if defined(TOKENMILL_HAS_BF16_GEMM) || defined(TOKENMILL_HAS_F32_GEMM)
 
@@ -119,6 +129,13 @@ struct Bf16Step {
     residual = r[1];
     return r[0];
   }
+  // residual += y (rounded once, in the norm); returns the norm of the sum
+  static at::Tensor sum_norm(const at::Tensor& y, at::Tensor& residual, const at::Tensor& w,
+                             double eps) {
+    std::vector<at::Tensor> r = rms_norm(y, residual, w, eps);
+    residual = r[1];
+    return r[0];
+  }
   static at::Tensor act(const at::Tensor& gate_up) { return silu_and_mul(gate_up); }
   static at::Tensor gated(const at::Tensor& x, const Proj& p) {
     return linear_bf16_packed_silu(x, p.packed, p.bias);
@@ -142,6 +159,11 @@ struct F32Step {
                      : linear_f32_packed_add(x, p.packed, p.bias, residual);
     return rms_norm_f32(residual, w, eps);
   }
+  static at::Tensor sum_norm(const at::Tensor& y, at::Tensor& residual, const at::Tensor& w,
+                             double eps) {
+    residual = y + residual;
+    return rms_norm_f32(residual, w, eps);
+  }
   static at::Tensor act(const at::Tensor& gate_up) {
     const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
     return at::silu(halves[0]) * halves[1];
@@ -154,13 +176,15 @@ class DecoderStack {
  public:
   // layers: each layer's weights (see LayerWeights), bf16 or float32 as their norms are.
   // dense_from_rows: from this many rows a batch multiplies on each dense weight there is, as
-  // each linear does on the eager path (0: never).
+  // each linear does on the eager path (0: never). all_reduce: null, or the tensor-parallel
+  // group's, which sums the o_proj and down outputs over the ranks (the binding keeps it
+  // alive as long as the stack).
   DecoderStack(const std::vector<LayerWeights>& layers, int64_t heads, int64_t kv_heads,
                int64_t head_dim, double eps, double scale, int64_t tile, int64_t cascade_tile,
-               int64_t dense_from_rows)
+               int64_t dense_from_rows, ShmAllReduce* all_reduce)
       : layers_(layers), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps),
         scale_(scale), tile_(tile), cascade_tile_(cascade_tile),
-        dense_from_rows_(dense_from_rows) {
+        dense_from_rows_(dense_from_rows), all_reduce_(all_reduce) {
     TORCH_CHECK(!layers_.empty(), "DecoderStack: no layers");
     dtype_ = layers_[0].input_norm.scalar_type();  // a float32 GEMM's weights may be 4/8-bit
     TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kFloat,
@@ -182,16 +206,17 @@ class DecoderStack {
   // The caches: one per layer run. The attention arguments as paged_attention takes them for
   // the main pass; `shared`: empty, or the shared-prefix pass's (block tables, query starts,
   // key start blocks, key limits, rows). num_layers: run the first that many layers (an early
-  // exit, for layer-skip drafting). Returns (h, residual) after the last layer run, before the
-  // final norm.
+  // exit, for layer-skip drafting). residual: a pipeline stage's input beside h (the previous
+  // stage's output), or none. Returns (h, residual) after the last layer run, before the final
+  // norm (h all-reduced, with an all-reduce).
   std::vector<at::Tensor> forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                                   const std::vector<at::Tensor>& k_caches,
                                   const std::vector<at::Tensor>& v_caches,
                                   const at::Tensor& slots, const at::Tensor& block_tables,
                                   const at::Tensor& query_start, const at::Tensor& key_start,
                                   const at::Tensor& key_limit, const at::Tensor& no_rows,
-                                  const std::vector<at::Tensor>& shared,
-                                  int64_t num_layers) const {
+                                  const std::vector<at::Tensor>& shared, int64_t num_layers,
+                                  const c10::optional<at::Tensor>& residual) const {
     TORCH_CHECK(num_layers >= 1 && num_layers <= static_cast<int64_t>(layers_.size()),
                 "DecoderStack: 1 to ", layers_.size(), " layers, not ", num_layers);
     const size_t count = static_cast<size_t>(num_layers);
@@ -200,13 +225,17 @@ class DecoderStack {
     TORCH_CHECK(shared.empty() || shared.size() == 5, "DecoderStack: shared pass arguments");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == dtype_,
                 "DecoderStack: hidden states (T, hidden) in the weights' dtype");
+    TORCH_CHECK(!residual || (residual->sizes() == h.sizes() &&
+                              residual->scalar_type() == dtype_ && residual->stride(1) == 1),
+                "DecoderStack: a residual like h");
+    const at::Tensor res = residual ? *residual : at::Tensor();
     const Step step{cos, sin, k_caches, v_caches, slots, block_tables, query_start,
                     key_start, key_limit, no_rows, shared};
 #ifdef TOKENMILL_HAS_F32_GEMM
-    if (dtype_ == at::kFloat) return run<F32Step>(std::move(h), step, count);
+    if (dtype_ == at::kFloat) return run<F32Step>(std::move(h), res, step, count);
 #endif
 #ifdef TOKENMILL_HAS_BF16_GEMM
-    if (dtype_ == at::kBFloat16) return run<Bf16Step>(std::move(h), step, count);
+    if (dtype_ == at::kBFloat16) return run<Bf16Step>(std::move(h), res, step, count);
 #endif
     TORCH_CHECK(false, "DecoderStack: no GEMM for ", dtype_);
   }
@@ -220,27 +249,44 @@ class DecoderStack {
   };
 
   // The layer loop, as LlamaDecoderLayer runs it. Each layer's down projection is joined to
-  // the residual by the next layer's input norm (add_norm); the last one's is returned with
-  // the residual for the final norm.
+  // the residual by the next layer's input norm (join); the last one's is returned with the
+  // residual for the final norm (or the next pipeline stage). residual: undefined, or the
+  // previous stage's, which the first input norm adds h to.
   template <class K>
-  std::vector<at::Tensor> run(at::Tensor h, const Step& a, size_t count) const {
+  std::vector<at::Tensor> run(at::Tensor h, at::Tensor residual, const Step& a,
+                              size_t count) const {
     const int64_t n = h.size(0);
-    at::Tensor residual = h, act;
-    h = K::norm(h, layers_[0].input_norm, eps_);
+    at::Tensor act;
+    if (residual.defined()) {
+      h = K::sum_norm(h, residual, layers_[0].input_norm, eps_);
+    } else {
+      residual = h;
+      h = K::norm(h, layers_[0].input_norm, eps_);
+    }
     for (size_t i = 0; i < count; ++i) {
       const LayerWeights& l = layers_[i];
-      if (i > 0) {
-        const Proj down = down_of(layers_[i - 1]);
-        h = K::add_norm(act, down, dense(down, n), residual, l.input_norm, eps_);
-      }
+      if (i > 0) h = join<K>(act, down_of(layers_[i - 1]), n, residual, l.input_norm);
       const Proj qkv{l.qkv, l.qkv_bias, l.qkv_dense}, o{l.o, l.o_bias, l.o_dense};
       const at::Tensor attended = attention(i, project<K>(h, qkv, n), a);
-      h = K::add_norm(attended, o, dense(o, n), residual, l.post_norm, eps_);
+      h = join<K>(attended, o, n, residual, l.post_norm);
       const Proj gate_up{l.gate_up, l.gate_up_bias, l.gate_up_dense};
       act = dense(gate_up, n) ? K::act(at::linear(h, *gate_up.dense, gate_up.bias))
                               : K::gated(h, gate_up);
     }
-    return {project<K>(act, down_of(layers_[count - 1]), n), residual};
+    at::Tensor out = project<K>(act, down_of(layers_[count - 1]), n);
+    if (all_reduce_ != nullptr) all_reduce_->all_reduce_(out);
+    return {out, residual};
+  }
+
+  // residual += the projection of x (summed over the ranks, with an all-reduce); returns the
+  // norm of the sum. Without one, float32 adds the residual in the GEMM's epilogue (add_norm).
+  template <class K>
+  at::Tensor join(const at::Tensor& x, const Proj& p, int64_t rows, at::Tensor& residual,
+                  const at::Tensor& w) const {
+    if (all_reduce_ == nullptr) return K::add_norm(x, p, dense(p, rows), residual, w, eps_);
+    at::Tensor y = project<K>(x, p, rows);
+    all_reduce_->all_reduce_(y);
+    return K::sum_norm(y, residual, w, eps_);
   }
 
   static Proj down_of(const LayerWeights& l) { return {l.down, l.down_bias, l.down_dense}; }
@@ -286,6 +332,7 @@ class DecoderStack {
   double eps_, scale_;
   int64_t tile_, cascade_tile_;
   int64_t dense_from_rows_;
+  ShmAllReduce* all_reduce_;  // null: one rank
 };
 
 // The Python names: LayerWeights, DecoderStack, rms_norm_f32 (cpu_ops.cpp's module calls this).
@@ -310,7 +357,8 @@ inline void register_decoder_step(pybind11::module_& m) {
   pybind11::class_<DecoderStack>(m, "DecoderStack",
                                  "the decoder layers of a bf16 or float32 model, run in one call")
       .def(pybind11::init<const std::vector<LayerWeights>&, int64_t, int64_t, int64_t, double,
-                          double, int64_t, int64_t, int64_t>())
+                          double, int64_t, int64_t, int64_t, ShmAllReduce*>(),
+           pybind11::keep_alive<1, 11>())  // the stack keeps its all-reduce alive
       .def("forward", &DecoderStack::forward, release());
   m.def("rms_norm_f32", &rms_norm_f32,
         "float32 rms_norm with PyTorch's roundings (its own mean), in three calls", release());
