@@ -11,6 +11,7 @@ plan for a machine it does not have (``Machine.described("avx2")``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +25,11 @@ from tokenmill.platform import Machine, choose_dtype, choose_kv_cache_dtype
 from tokenmill.runner.kv_cache import (bytes_per_block, check_kv_cache_dtype,
                                        default_kv_cache_bytes, num_kv_blocks)
 from tokenmill.speculative import layerskip_layers, spec_description
+
+
+# the model's shape as the ranks' settings compare it
+_SHAPE = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+          "num_heads", "num_kv_heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -91,10 +97,13 @@ class ExecutionPlan:
         from tokenmill.platform import usable_cpus
 
         threads, cpu_sets = rank_threads(self.parallel, self.machine, usable_cpus())
-        settings = {"model": self.model, "dtype": self.dtype, "kv_cache_dtype":
-                    self.kv_cache_dtype, "linear": self.linear.describe(),
-                    "block_size": self.kv.block_size, "num_blocks": self.kv.num_blocks,
-                    "max_model_len": self.max_model_len, "layout": self.layout}
+        cfg = self.model_config
+        # what every node must agree on (cores, memory and kernels may differ between nodes)
+        settings = {"model": os.path.basename(self.model), "dtype": self.dtype,
+                    "shape": {k: getattr(cfg, k) for k in _SHAPE}, "layout": self.layout,
+                    "quantization": self.linear.quantization,
+                    "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.kv.block_size,
+                    "max_model_len": self.max_model_len}
         return DistributedSpec(self.worker_spec(), self.layout, self.parallel, self.model_config,
                                threads, cpu_sets, settings)
 

@@ -101,7 +101,8 @@ class WorkerLink:
     def send_logits(self, step_id: int, logits) -> None:
         """``logits`` (rows, vocab) float32, as a header and one raw frame."""
         header = Message("logits", step=step_id, info={"shape": tuple(logits.shape)})
-        self._sock.send_multipart([_dumps(header), logits.contiguous().numpy()], copy=False)
+        self._sock.send_multipart([_dumps(header), logits.cpu().contiguous().numpy()],
+                                  copy=False)
 
     def receive(self) -> Message:
         return pickle.loads(self._sock.recv())

@@ -115,9 +115,9 @@ def rank_inits(spec: DistributedSpec, rv: Rendezvous, addresses: control.Address
     """The ranks node ``node_rank`` starts."""
     per_node = spec.parallel.ranks_per_node
     first = node_rank * per_node
-    return [RankInit(spec.worker, spec.layout, spec.model_config, rank, rv, addresses,
-                     spec.threads_per_rank, spec.cpu_sets[rank - first], spec.settings,
-                     spec.parallel.worker_timeout)
+    return [RankInit(spec.worker, spec.layout, spec.model_config, rank, rank - first, rv,
+                     addresses, spec.threads_per_rank, spec.cpu_sets[rank - first],
+                     spec.settings, spec.parallel.worker_timeout)
             for rank in range(first, first + per_node)]
 
 

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenmill.config import ModelConfig
@@ -39,6 +39,7 @@ class RankInit:
     layout: ParallelLayout
     model_config: ModelConfig  # the whole model's shape
     rank: int
+    local_rank: int  # its index among its node's ranks (its GPU there)
     rendezvous: Rendezvous
     addresses: control.Addresses
     threads: int
@@ -49,7 +50,7 @@ class RankInit:
 
 def run_rank(init: RankInit) -> int:
     """Run rank ``init.rank`` until the engine stops it; the process's exit status."""
-    _set_up_threads(init)
+    init = _set_up_process(init)
     link = control.WorkerLink(init.addresses, init.rank)
     beat = _Heartbeat(init, link.addresses)
     beat.start()
@@ -68,12 +69,17 @@ def run_rank(init: RankInit) -> int:
         link.close()
 
 
-def _set_up_threads(init: RankInit) -> None:
+def _set_up_process(init: RankInit) -> RankInit:
+    """Threads, cores and device of the rank; the init with its own GPU on CUDA."""
     import torch
 
     if init.cpus:
         os.sched_setaffinity(0, init.cpus)
     torch.set_num_threads(init.threads)
+    if init.spec.device.startswith("cuda"):  # one GPU per rank of the node
+        torch.cuda.set_device(init.local_rank)
+        return replace(init, spec=replace(init.spec, device=f"cuda:{init.local_rank}"))
+    return init
 
 
 def _build(init: RankInit):

@@ -108,6 +108,8 @@ class ShmAllReduce {
                 "ShmAllReduce: a contiguous float32 or bf16 CPU tensor");
     TORCH_CHECK(!broken_, "ShmAllReduce: unusable after an earlier failure (", broken_why_,
                 ")");
+    const uint64_t by = abort_word().load(std::memory_order_acquire);
+    TORCH_CHECK(by == 0, "ShmAllReduce: rank ", by - 1, " aborted the group");
     if (world_ == 1 || t.numel() == 0) return;
     const bool bf16 = t.scalar_type() == at::kBFloat16;
     const int64_t elem = t.element_size(), per_call = slot_bytes_ / elem;
@@ -121,9 +123,9 @@ class ShmAllReduce {
     }
   }
 
-  // Make every rank's waiting call (and its next) raise: for a rank that fails elsewhere and
-  // will not arrive.
-  void abort() { give_up("rank " + std::to_string(rank_) + " aborted"); }
+  // Make every rank's waiting call and all later ones raise: for a rank that fails elsewhere
+  // and will not arrive. Safe from another thread while a call waits.
+  void abort() { mark_aborted(); }
 
  private:
   ShmWord& word(int64_t line, int64_t i = 0) const {
@@ -286,10 +288,14 @@ class ShmAllReduce {
     TORCH_CHECK(false, "ShmAllReduce: ", why);
   }
 
-  void give_up(const std::string& why) {
+  void mark_aborted() {  // the first rank to give up is the one named
     uint64_t none = 0;
     abort_word().compare_exchange_strong(none, static_cast<uint64_t>(rank_) + 1,
                                          std::memory_order_acq_rel);
+  }
+
+  void give_up(const std::string& why) {
+    mark_aborted();
     broken_ = true;
     broken_why_ = why;
   }
