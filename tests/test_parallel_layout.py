@@ -19,8 +19,8 @@ from tokenmill.model.sharding import rank_slice, stage_name
 SMOLLM2 = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
 # the tiny test model of test_distributed: 8 heads, 4 KV heads, a byte vocabulary + <eos>
-TINY = ModelConfig("llama", vocab_size=257, hidden_size=64, intermediate_size=128,
-                   num_layers=4, num_heads=8, num_kv_heads=4, head_dim=8)
+TINY = ModelConfig("llama", vocab_size=257, hidden_size=256, intermediate_size=128,
+                   num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32)
 
 
 def layout(cfg: ModelConfig, tp: int = 1, pp: int = 1,

@@ -128,6 +128,10 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
     ("--cpu-bind", "cpu_bind", dict(
         type=lambda v: tuple(v.split("|")),
         help="per local rank the cores it runs on, '|'-separated, e.g. '0-7|8-15'")),
+    ("--disable-custom-all-reduce", "disable_custom_all_reduce", dict(
+        action="store_const", const=True,
+        help="all-reduce through gloo even where every rank of a tensor-parallel group shares "
+             "one host (the fused CPU step then runs layer by layer)")),
     ("--worker-timeout", "worker_timeout", dict(
         type=float, help="seconds without a rank's heartbeat before it counts as hung")),
     ("--seed", "seed", dict(type=int, help="seed the sampling of requests that give no seed "

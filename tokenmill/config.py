@@ -135,6 +135,9 @@ class ParallelConfig:
     cpu_bind: tuple[str, ...] | None = None
     # a worker is declared hung after this long without a heartbeat
     worker_timeout: float = 10.0
+    # the TP all-reduce through the ranks' backend (gloo on a CPU) even where the shared-memory
+    # one could run (every rank of the group on one host); the fused CPU step then runs eagerly
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):

@@ -103,7 +103,8 @@ class ExecutionPlan:
                     "shape": {k: getattr(cfg, k) for k in _SHAPE}, "layout": self.layout,
                     "quantization": self.linear.quantization,
                     "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.kv.block_size,
-                    "max_model_len": self.max_model_len}
+                    "max_model_len": self.max_model_len,
+                    "custom_all_reduce_off": self.parallel.disable_custom_all_reduce}
         return DistributedSpec(self.worker_spec(), self.layout, self.parallel, self.model_config,
                                threads, cpu_sets, settings)
 
@@ -136,9 +137,12 @@ class ExecutionPlan:
         p = self.parallel
         if not p.distributed:
             return "one process"
+        threads, cpus = rank_threads(p, self.machine, list(range(self.machine.cores)))
         return {"tensor": p.tensor_parallel_size, "pipeline": p.pipeline_parallel_size,
                 "stage_layers": list(self.layout.stage_layers),
-                "backend": p.distributed_executor_backend, "nnodes": p.nnodes}
+                "backend": p.distributed_executor_backend, "nnodes": p.nnodes,
+                "threads_per_rank": threads,
+                "bound": "no" if cpus[0] is None else "a core range each"}
 
     def __str__(self) -> str:
         return format_plan(self.describe())
@@ -349,6 +353,8 @@ def _cuda_graphs(config: EngineConfig, machine: Machine, backend: str) -> str:
         return "off: not a GPU"
     if config.enforce_eager:
         return "off: --enforce-eager"
+    if config.parallel.distributed:
+        return "off: parallel ranks (their collectives are not captured)"
     if backend != "triton":
         return f"off: the {backend} attention backend is not graph-safe"
     return f"decode batches up to {config.scheduler.max_num_seqs}"

@@ -17,6 +17,7 @@ s breaks the executor (``ExecutorError``) at once, mid-step included.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import pickle
 import subprocess
@@ -86,12 +87,15 @@ class MpLauncher:
             self.processes[init.rank] = p
 
     def failure(self) -> str | None:
-        for rank, p in self.processes.items():
-            code = p.poll()
-            if code is not None:
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                return f"rank {rank} (pid {p.pid}) {how}"
-        return None
+        ended = {rank: code for rank, p in self.processes.items()
+                 if (code := p.poll()) is not None}
+        if not ended:
+            return None
+        # one killed by a signal is the cause; the others exit after their peer vanished
+        rank = min(ended, key=lambda r: (ended[r] >= 0, r))
+        code = ended[rank]
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return f"rank {rank} (pid {self.processes[rank].pid}) {how}"
 
     def stop(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -180,6 +184,7 @@ class MultiprocExecutor(Executor):
         self._step = 0
         self._closed = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="tokenmill-ranks", daemon=True)
+        atexit.register(self.shutdown)  # a script that never calls it still stops its ranks
         try:
             self.launcher.launch(rank_inits(spec, self.rendezvous, self.link.addresses, 0))
             self._monitor.start()
@@ -203,7 +208,7 @@ class MultiprocExecutor(Executor):
             if message is None:
                 continue
             if message.kind == "error":
-                self._fail(f"rank {message.rank}: {message.error}")
+                self._rank_failed(message)
             elif message.kind == "hello":
                 self._hellos[message.rank] = message.info
                 self._last_beat[message.rank] = time.monotonic()
@@ -238,7 +243,7 @@ class MultiprocExecutor(Executor):
                 if message.kind == "logits" and message.step == step_id:
                     return message.logits
                 if message.kind == "error":
-                    self._fail(f"rank {message.rank}: {message.error}")
+                    self._rank_failed(message)
             self.check_health()
 
     # ----- health -----------------------------------------------------------------------------
@@ -247,6 +252,19 @@ class MultiprocExecutor(Executor):
         if self._failure is None:
             self._failure = why
             logger.error("the executor is broken: %s", why)
+
+    def _rank_failed(self, message: control.Message) -> None:
+        """A rank reported an error. When a peer's death caused it (a collective that lost
+        its peer), the dead process is the news: its exit shows within a moment."""
+        why = f"rank {message.rank}: {message.error}"
+        deadline = time.monotonic() + control.BEAT_SECONDS * 2
+        while time.monotonic() < deadline:
+            gone = self.launcher.failure()
+            if gone is not None and not gone.startswith(f"rank {message.rank} "):
+                self._fail(f"{gone} (then {why})")
+                return
+            time.sleep(0.05)
+        self._fail(why)
 
     def check_health(self) -> None:
         if self._failure is not None:
@@ -281,6 +299,7 @@ class MultiprocExecutor(Executor):
         if self._closed.is_set():
             return
         self._closed.set()
+        atexit.unregister(self.shutdown)
         try:
             self.link.send_all(self.ranks, control.Message("stop"))
         finally:

@@ -89,7 +89,7 @@ def _build(init: RankInit):
     position = init.layout.position(init.rank)
     tp_group = connect(init.rendezvous, position, init.spec.device, init.settings)
     shm = None
-    if init.spec.device == "cpu":
+    if init.spec.device == "cpu" and not init.settings["custom_all_reduce_off"]:
         shm = shm_all_reduce(init.rendezvous, position, tp_group, _all_reduce_bytes(init))
     comm = Comm(position, init.model_config, tp_group, shm)
     return build_worker(init.spec, position, comm), comm

@@ -86,8 +86,8 @@ def _set_up_step(spec: WorkerSpec, runner: ModelRunner, comm: Comm | None = None
     if not spec.fuse_cpu_step:
         return spec.planned_cpu_step
     if comm is not None and comm.tp_group is not None and comm.shm is None:
-        return "eager: the TP group all-reduces through gloo (its ranks span hosts, or no " \
-               "shared-memory all-reduce), which the C++ step cannot call"
+        return "eager: the TP group all-reduces through gloo (--disable-custom-all-reduce, " \
+               "ranks on several hosts, or no CPU kernels), which the C++ step cannot call"
     built = runner.fuse_cpu_step(None if comm is None or comm.shm is None else comm.shm.native)
     if not built.startswith("fused"):
         logger.warning("the plan fused the CPU step, but the loaded model runs %s", built)
