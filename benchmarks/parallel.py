@@ -1,13 +1,16 @@
 """Tensor and pipeline parallelism on one machine: each layout served by ``tokenmill serve``,
 the same ``tokenmill bench serve`` points against each, one after the other.
 
-    python benchmarks/parallel.py                       # tp1, tp2, pp2 at the default dtype
-    python benchmarks/parallel.py --dtype float32 --layouts tp1,tp2
-    python benchmarks/parallel.py --quick               # fewer prompts
+    python benchmarks/random_model.py /tmp/rand1024       # 16 heads / 4 KV heads, 220M
+    python benchmarks/parallel.py --model /tmp/rand1024   # tp1, tp2, pp2, default dtype
+    python benchmarks/parallel.py --model /tmp/rand1024 --dtype float32 --layouts tp1,tp2
+    python benchmarks/parallel.py --layouts tp1,pp2       # the default model (9 heads and
+                                                          # 3 KV heads split over 3 or 9 only)
 
 Layouts: ``tp1`` one process, all cores as threads; ``tp2`` / ``tp4`` tensor parallel ranks,
 the cores split evenly between them (each bound to its own); ``pp2`` two pipeline stages;
-``tp2pp2``. Points: random 128 in / 128 out, ignore_eos, greedy, at concurrency 1 and 32.
+``tp2pp2``; ``tp2-gloo``, tp2 with the all-reduce through gloo (layer by layer). Points:
+random 128 in / 128 out, ignore_eos, greedy, at concurrency 1 and 32.
 Prints a markdown table (with the CPU and its instruction sets) and writes
 ``--out``/parallel.json.
 """
@@ -30,7 +33,8 @@ from machine import machine  # noqa: E402
 
 LAYOUTS = {"tp1": [], "tp2": ["--tensor-parallel-size", "2"],
            "tp4": ["--tensor-parallel-size", "4"], "pp2": ["--pipeline-parallel-size", "2"],
-           "tp2pp2": ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]}
+           "tp2pp2": ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"],
+           "tp2-gloo": ["--tensor-parallel-size", "2", "--disable-custom-all-reduce"]}
 
 
 def serve(model: str, layout: str, port: int, extra: list[str]) -> subprocess.Popen:
@@ -72,7 +76,7 @@ def main() -> int:
     ap.add_argument("--layouts", default="tp1,tp2,pp2")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--port", type=int, default=8731)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer prompts")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     points = [(1, 8 if args.quick else 16), (32, 32 if args.quick else 96)]
@@ -86,8 +90,7 @@ def main() -> int:
                 results["runs"][f"{layout}-c{c}"] = {"summary": s, "parallel": info["parallel"],
                                                      "cpu_step": info["cpu_step"]}
                 rows.append(f"| {layout} | {info['dtype']} | {c} | {s['output_throughput']:.1f} | "
-                            f"{s['ttft']['median'] * 1000:.0f} | "
-                            f"{s['tpot']['median'] * 1000:.1f} | "
+                            f"{s['ttft']['median_ms']:.0f} | {s['tpot']['median_ms']:.1f} | "
                             f"{info['parallel'].get('all_reduce', '-')} | {info['cpu_step']} |")
         finally:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -154,6 +154,18 @@ def run_headless(spec: DistributedSpec, launcher: MpLauncher | None = None) -> i
     return launcher.wait()
 
 
+def _endpoints(parallel: ParallelConfig, launcher: Launcher
+               ) -> tuple[str, str | None, int, tuple[int, int, int]]:
+    """Where the ranks reach the engine (host), what it binds (None: that host only), the
+    store's port and the control sockets' (0: any free port)."""
+    if parallel.nnodes > 1:
+        return (parallel.master_addr, "0.0.0.0", *node_endpoints(parallel))
+    ports = (parallel.master_port or 0, (0, 0, 0))
+    if hasattr(launcher, "host"):  # Ray may place ranks on any node of its cluster
+        return (launcher.host(), "0.0.0.0", *ports)
+    return ("127.0.0.1", None, *ports)
+
+
 class MultiprocExecutor(Executor):
     """Runs steps on ranks in other processes; samples here (see the module's docstring)."""
 
@@ -166,16 +178,11 @@ class MultiprocExecutor(Executor):
 
         self.spec = spec
         self.launcher = launcher or MpLauncher()
-        parallel = spec.parallel
-        multinode = parallel.nnodes > 1 or parallel.distributed_executor_backend == "ray"
-        host = self.launcher.host() if hasattr(self.launcher, "host") else \
-            parallel.master_addr if parallel.nnodes > 1 or parallel.master_port else "127.0.0.1"
-        store_port, ports = node_endpoints(parallel) if parallel.nnodes > 1 else \
-            (parallel.master_port or 0, (0, 0, 0))
-        self._store = dist.TCPStore(host if not multinode else "0.0.0.0", store_port,
-                                    is_master=True, wait_for_workers=False)
-        self.rendezvous = Rendezvous(host, self._store.port, run_id(parallel))
-        self.link = control.DriverLink(host, ports, bind_host="0.0.0.0" if multinode else None)
+        host, bind, store_port, ports = _endpoints(spec.parallel, self.launcher)
+        self._store = dist.TCPStore(bind or host, store_port, is_master=True,
+                                    wait_for_workers=False)
+        self.rendezvous = Rendezvous(host, self._store.port, run_id(spec.parallel))
+        self.link = control.DriverLink(host, ports, bind_host=bind)
         self.ranks = list(range(spec.layout.world_size))
         self.sampler = Sampler()
         self._failure: str | None = None
