@@ -96,9 +96,9 @@ def _build(init: RankInit):
 
 
 def _all_reduce_bytes(init: RankInit) -> int:
-    """The shared-memory slots' size: a whole prefill step's hidden states in float32 (larger
-    tensors go through in pieces)."""
-    return min(init.spec.max_batched_tokens, 8192) * init.model_config.hidden_size * 4
+    """The shared-memory slots' size: a step's hidden states in float32, at most 16 MiB a slot
+    (larger tensors go through in pieces)."""
+    return min(init.spec.max_batched_tokens * init.model_config.hidden_size * 4, 16 << 20)
 
 
 def _hello_info(init: RankInit, worker, comm) -> dict[str, Any]:
