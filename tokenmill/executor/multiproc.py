@@ -8,9 +8,9 @@ histories and seeded generators, the grammar masks being filled while the forwar
 drafter's distributions -- is already here, so structured output, speculative decoding, seeds
 and ``n > 1`` work as with one process, and no rank holds request state.
 
-Launchers start the ranks: ``MpLauncher`` spawns this node's processes (``--nnodes``: the
-other nodes run ``tokenmill serve --headless``, which spawns theirs); ``ray_launcher.RayLauncher``
-places them as Ray actors. Failure: a monitor thread watches every rank's heartbeat and this
+Launchers start the ranks: ``MpLauncher`` starts this node's processes (``--nnodes``: the
+other nodes run ``tokenmill serve --node-rank N``, headless, which starts theirs:
+``run_headless``); ``ray_launcher.RayLauncher`` places them as Ray actors. Failure: a monitor thread watches every rank's heartbeat and this
 node's processes; a rank that exits, reports an error or falls silent for ``worker_timeout``
 s breaks the executor (``ExecutorError``) at once, mid-step included.
 """

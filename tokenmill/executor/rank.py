@@ -1,9 +1,10 @@
 """One rank of a tensor / pipeline parallel model: a worker process's whole life.
 
-``run_rank(init)`` is the target of a spawned process (``multiproc.py``), of a Ray actor's
-method (``ray_launcher.py``) and of ``tokenmill serve --headless``'s processes: pin threads,
-join the other ranks (``distributed.groups.connect``), load this rank's part of the model,
-say hello to the engine, then run every step the engine sends until it says stop. A heartbeat
+``run_rank(init)`` is what each ``python -m tokenmill.executor.rank`` process runs (started by
+``multiproc.py``, here or on a headless node: ``tokenmill serve --node-rank N``), and what a Ray
+actor's method runs (``ray_launcher.py``): pin threads, join the other ranks
+(``distributed.groups.connect``), load this rank's part of the model, say hello to the engine,
+then run every step the engine sends until it says stop. A heartbeat
 thread tells the engine the rank is alive and ends the process when the engine has gone quiet
 (it died: nothing may outlive it).
 
@@ -33,7 +34,7 @@ logger = logging.getLogger("tokenmill.executor")
 
 @dataclass(frozen=True)
 class RankInit:
-    """Everything a rank needs, as plain data (it crosses a process spawn or a Ray call)."""
+    """Everything a rank needs, as plain data (pickled to its process, or sent in a Ray call)."""
 
     spec: WorkerSpec
     layout: ParallelLayout

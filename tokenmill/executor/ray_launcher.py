@@ -4,7 +4,7 @@ for users who run a Ray cluster already (``ray start --head`` on one node, ``ray
 
 Ray only places the processes: one placement-group bundle of ``threads_per_rank`` CPUs (and a
 GPU on CUDA) per rank, packed onto as few nodes as fit. The ranks then meet through the engine's
-TCPStore and talk over torch.distributed and the pyzmq control plane exactly as spawned
+TCPStore and talk over torch.distributed and the pyzmq control plane exactly as started
 processes do, so nothing of a step goes through Ray.
 """
 
