@@ -228,16 +228,12 @@ class MultiprocExecutor(Executor):
                 ) -> ModelOutput:
         from tokenmill.runner.model_runner import sample_step
 
-        self.check_health()
-        self._step += 1
-        self.link.send_all(self.ranks, control.step(self._step, out.scheduled,
-                                                    self.spec.layout.pp_size))
-        logits = self._wait_logits(self._step)
-        return sample_step(self.sampler, out.scheduled, logits, masks, draft_probs)
+        return sample_step(self.sampler, out.scheduled, self.logits(out.scheduled), masks,
+                           draft_probs)
 
     def logits(self, chunks) -> torch.Tensor:
         """One forward of plain chunks (``runner.batch.Chunk``): the logits of their scored
-        positions, as ``ModelRunner.forward`` returns them (tests and benchmarks)."""
+        positions, as ``ModelRunner.forward`` returns them (``execute`` samples them)."""
         self.check_health()
         self._step += 1
         self.link.send_all(self.ranks, control.step(self._step, chunks, self.spec.layout.pp_size))
