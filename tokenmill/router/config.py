@@ -1,0 +1,44 @@
+"""The router's configuration: workers, policy, health and failover, cache-aware thresholds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("round_robin", "least_load", "cache_aware", "prefix_hash")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: tuple[str, ...] = ()  # base URLs, e.g. http://127.0.0.1:8001
+    policy: str = "cache_aware"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Keys a client must present (Authorization: Bearer); empty: no check at the router.
+    api_keys: tuple[str, ...] = ()
+    # Sent to every worker as its bearer token; None: the client's own header is forwarded.
+    worker_api_key: str | None = None
+    # Health and failover
+    health_check_interval_s: float = 5.0
+    health_check_timeout_s: float = 2.0
+    eject_after_failures: int = 3  # consecutive failures (checks or requests) that eject
+    eject_cooldown_s: float = 10.0  # an ejected worker is probed again after this
+    max_retries: int = 2  # further workers tried for a request that has not started streaming
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float | None = None  # whole response; None: no limit (long generations)
+    retry_after_s: int = 1  # Retry-After of the router's own 503s
+    # cache_aware (approximate tree over the routed text, or exact from KV events)
+    cache_threshold: float = 0.5  # follow the tree when this share of the prompt matched
+    balance_abs_threshold: int = 32  # load imbalanced when max - min in-flight exceeds this ...
+    balance_rel_threshold: float = 1.5  # ... and max > min * this
+    max_tree_chars: int = 1 << 24  # per worker; least recently used leaves go first
+    kv_events: bool = True  # mirror workers' KV events when they publish them (exact mode)
+    # url -> ZMQ endpoint; a tokenmill worker's is found in its /server_info otherwise
+    kv_event_endpoints: tuple[tuple[str, str], ...] = ()
+    # prefix_hash
+    prefix_hash_tokens: int = 64  # tokens hashed (4 characters a token when only text is known)
+    virtual_nodes: int = 160  # points per worker on the hash ring
+    # multi-model: a YAML file of model name -> how to start its tokenmill worker
+    models_file: str | None = None
+    max_running_models: int = 2
+    log_level: str = "info"
+    extra: dict = field(default_factory=dict, compare=False)
