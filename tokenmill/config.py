@@ -6,7 +6,8 @@ boundary and turned into these; nothing below the CLI reads the environment.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields, replace
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
@@ -173,6 +174,68 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """Publishing the prefix cache's changes as KV events (``tokenmill/kv_events.py``), so a
+    router can mirror each worker's cache exactly. The field names are vLLM's, so the JSON a
+    vLLM deployment passes to ``--kv-events-config`` works here unchanged. An endpoint's port 0
+    binds a free port; ``/server_info`` reports the bound ones."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" | "null" (nothing published); None: zmq when enabled
+    endpoint: str = "tcp://*:5557"  # ZMQ PUB: frames [topic, seq, msgpack batch]
+    replay_endpoint: str | None = "tcp://*:5558"  # ZMQ ROUTER serving missed batches; None: off
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # PUB high-water mark: past it a slow subscriber loses batches
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = "kv-events"
+    # stamped on every batch; a data-parallel replica's ports are offset by it (as vLLM's are)
+    data_parallel_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:  # frozen: the resolved value is set once, here
+            object.__setattr__(self, "publisher",
+                               "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv events publisher must be zmq or null, got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv events {name} must be at least 1")
+        if self.data_parallel_rank is not None and self.data_parallel_rank < 0:
+            raise ValueError("kv events data_parallel_rank must be >= 0")
+
+    @property
+    def publishing(self) -> bool:
+        """Whether events are collected and sent at all (else the cache records nothing)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KVEventsConfig:
+        """Refuses keys this class lacks, by name: a misspelt key would silently do nothing."""
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown kv events option(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(f.name for f in fields(cls))}")
+        for f in fields(cls):
+            if f.name in values:
+                _check_json_type(f"kv events option {f.name}", values[f.name], str(f.type))
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """``--kv-events-config '{"enable_kv_cache_events": true, ...}'``."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the kv events config is not JSON: {e}") from None
+        if not isinstance(values, dict):
+            raise ValueError("the kv events config must be a JSON object")
+        return cls.from_dict(values)
+
+    def __str__(self) -> str:
+        return json.dumps(asdict(self))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "cpu"
@@ -206,8 +269,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # prefix-cache changes published as vLLM-format KV events (off by default)
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_events_config, dict):  # LLM(kv_events_config={...}), as vLLM's
+            object.__setattr__(self, "kv_events_config",
+                               KVEventsConfig.from_dict(self.kv_events_config))
         # The CPU formats would be dequantized at load on a GPU: refused, not quietly dropped.
         if self.device.split(":")[0] == "cuda" and self.quantization in ("int8", "int4", "auto"):
             raise ValueError(f"quantization {self.quantization!r} (--quantization) runs on CPUs "
@@ -225,6 +293,20 @@ class EngineConfig:
         top = sections.pop(None, {})
         nested = {sec: _SECTIONS[sec](**values) for sec, values in sections.items()}
         return cls(model=model, **top, **nested)
+
+
+_JSON_TYPES: dict[str, type] = {"bool": bool, "int": int, "str": str}
+
+
+def _check_json_type(what: str, value: Any, annotation: str) -> None:
+    """A JSON value against a field's annotation ("int", "str | None", ...): a wrong type named
+    here, not as whatever comparison it would break later. JSON's true is not an int here."""
+    kinds = annotation.split(" | ")
+    if value is None and "None" in kinds:
+        return
+    allowed = tuple(_JSON_TYPES[k] for k in kinds if k in _JSON_TYPES)
+    if isinstance(value, bool) != (bool in allowed) or not isinstance(value, allowed):
+        raise ValueError(f"{what} must be {annotation}, got {value!r}")
 
 
 _SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,

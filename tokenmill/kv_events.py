@@ -24,7 +24,10 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """One change to a worker's prefix cache."""
 
 
-class BlockStored(KVCacheEvent):
+# BlockStored and BlockRemoved write their optional fields even when None (omit_defaults off):
+# vLLM's decoders require them (an array shorter than their fields is refused), and a decoder
+# ignores trailing fields it does not know, so the longest form reads everywhere.
+class BlockStored(KVCacheEvent, omit_defaults=False):
     """Whole blocks became reusable: ``block_hashes[i]`` holds ``token_ids[i*block_size:
     (i+1)*block_size]``, the first one continuing ``parent_block_hash`` (None: a root)."""
 
@@ -34,9 +37,10 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None  # newer vLLM releases require it too
 
 
-class BlockRemoved(KVCacheEvent):
+class BlockRemoved(KVCacheEvent, omit_defaults=False):
     """Blocks no longer held (evicted, or their cache flushed)."""
 
     block_hashes: list[int]

@@ -12,6 +12,11 @@ cached block holds one more (its block table), and locks the node path it matche
 tree never evicts what is in use. Unlocked leaves are evicted least-recently-used, and only when
 the pool runs out of free blocks (the ``KVBlockManager`` asks). The candidates live in a heap
 kept up to date as nodes change, so an eviction costs O(log n) per node, not a walk of the tree.
+
+KV events (``enable_events``, off by default): each node also holds a chained 64-bit hash per
+block (``cache/events.py``); a new leaf logs one ``BlockStored``, an evicted one a
+``BlockRemoved``, a flush that empties the tree ``AllBlocksCleared``. The engine takes the log
+once per step and publishes it, so a consumer's mirror holds exactly the tree's blocks.
 """
 
 from __future__ import annotations
@@ -22,8 +27,13 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.cache.block_pool import BlockPool, CacheIntegrityError
+
+if TYPE_CHECKING:  # imported by enable_events: msgspec's import costs a cache without events
+    from tokenmill.cache.events import CacheEventLog
+    from tokenmill.kv_events import KVCacheEvent
 
 Salt = str | None
 CacheEntry = tuple[Salt, tuple[int, ...], tuple[int, ...]]  # salt, path tokens, path blocks
@@ -45,6 +55,9 @@ class _Node:
     # Set once evicted: its heap entries are stale. It keeps ``parent`` so that a handle that
     # still points at it can walk up to the locked path above it.
     dropped: bool = False
+    # one chained hash per block while KV events are on, else empty (a tuple: the empty one is
+    # shared, and slicing it in a split costs nothing)
+    hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,14 @@ class PrefixCache(ABC):
         """Drop every unlocked entry; returns the number of blocks dropped."""
         return self.evict(self.num_evictable_blocks)
 
+    def enable_events(self) -> None:
+        """Log KV events from now on (``take_events``). A cache that holds nothing has nothing
+        to log: the null cache ignores this."""
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events logged since the last call, oldest first ([] while events are off)."""
+        return []
+
 
 class NullPrefixCache(PrefixCache):
     """Caches nothing: what ``enable_prefix_caching=False`` (``--no-prefix-cache``) selects."""
@@ -175,6 +196,17 @@ class RadixPrefixCache(PrefixCache):
         # or are used again, rather than the tree being searched when blocks are needed.
         self._heap: list[tuple[int, int, _Node]] = []
         self._pushes = itertools.count()
+        self._log: CacheEventLog | None = None  # KV events, when enabled
+
+    def enable_events(self) -> None:
+        from tokenmill.cache.events import CacheEventLog
+
+        if self._num_cached:  # blocks cached before would have no hash to name them by
+            raise CacheIntegrityError("KV events must be enabled while the cache is empty")
+        self._log = CacheEventLog(self.block_size)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._log.take() if self._log is not None else []
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -255,7 +287,8 @@ class RadixPrefixCache(PrefixCache):
         while done < len(blocks):
             child = node.children.get(self._block(tokens, done))
             if child is None:
-                self._add_leaf(node, tokens[done * self.block_size:], list(blocks[done:]), now)
+                self._add_leaf(node, tokens[done * self.block_size:], list(blocks[done:]), now,
+                               salt)
                 return len(blocks) - done
             same = self._common_blocks(child.key, tokens, done * self.block_size)
             if same < len(child.blocks):
@@ -265,10 +298,14 @@ class RadixPrefixCache(PrefixCache):
             node, done = child, done + same
         return 0
 
-    def _add_leaf(self, parent: _Node, key: tuple[int, ...], blocks: list[int], now: int) -> None:
+    def _add_leaf(self, parent: _Node, key: tuple[int, ...], blocks: list[int], now: int,
+                  salt: Salt) -> None:
         for block_id in blocks:
             self.pool.incref(block_id)
         leaf = _Node(key, blocks, parent, last_access=now)
+        if self._log is not None:  # a root's children have no parent hash: the salt instead
+            leaf.hashes = self._log.stored(parent.hashes[-1] if parent.hashes else None, key,
+                                           salt)
         parent.children[key[:self.block_size]] = leaf
         self._num_cached += len(blocks)
         self._num_evictable += len(blocks)
@@ -281,9 +318,11 @@ class RadixPrefixCache(PrefixCache):
         entries: it is still a leaf or not, last used when it was)."""
         cut = num_blocks * self.block_size
         upper = _Node(node.key[:cut], node.blocks[:num_blocks], node.parent,
-                      lock_ref=node.lock_ref, last_access=node.last_access)
+                      lock_ref=node.lock_ref, last_access=node.last_access,
+                      hashes=node.hashes[:num_blocks])
         node.parent.children[upper.key[:self.block_size]] = upper
         node.key, node.blocks, node.parent = node.key[cut:], node.blocks[num_blocks:], upper
+        node.hashes = node.hashes[num_blocks:]
         upper.children[node.key[:self.block_size]] = node
         self._num_nodes += 1
         return upper
@@ -303,6 +342,8 @@ class RadixPrefixCache(PrefixCache):
         parent = leaf.parent
         del parent.children[leaf.key[:self.block_size]]
         leaf.dropped = True
+        if self._log is not None:
+            self._log.removed(leaf.hashes)
         freed = 0
         for block_id in reversed(leaf.blocks):
             freed += self.pool.ref_count(block_id) == 1  # else a request still holds it
@@ -311,6 +352,15 @@ class RadixPrefixCache(PrefixCache):
         self._num_evictable -= len(leaf.blocks)
         self._num_nodes -= 1
         self._push(parent)  # left childless, it is a candidate at its own last use
+        return freed
+
+    def flush(self) -> int:
+        """As the base class; a flush that empties the tree logs one ``AllBlocksCleared``
+        instead of a removal per node."""
+        mark = self._log.mark() if self._log is not None else 0
+        freed = self.evict(self.num_evictable_blocks)
+        if self._log is not None and not self._num_cached:
+            self._log.cleared(mark)
         return freed
 
     def _push(self, node: _Node) -> None:
@@ -404,6 +454,8 @@ class RadixPrefixCache(PrefixCache):
         _check(node.lock_ref >= 0, f"negative lock count {node.lock_ref}")
         _check(node.lock_ref >= sum(c.lock_ref for c in node.children.values()),
                "a node has fewer locks than its children")
+        _check(self._log is None or len(node.hashes) == len(node.blocks),
+               f"node {node.blocks} has {len(node.hashes)} block hashes")
 
     def _check_heap(self, nodes: list[_Node]) -> None:
         current = {id(n) for t, _, n in self._heap if self._is_current(n, t)}

@@ -20,6 +20,7 @@ from tokenmill.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.engine.kv_publisher import KVEventPublisher
     from tokenmill.model.loader import LoadedModel
 
 logger = logging.getLogger("tokenmill.engine")
@@ -36,18 +37,54 @@ class EngineParts:
     proposer: Any
     structured: Any
     seed: int | None
+    kv_publisher: KVEventPublisher | None = None  # --kv-events-config: the cache's events
 
 
 def build_engine_parts(config: EngineConfig, plan: ExecutionPlan | None = None) -> EngineParts:
     """The parts of the engine ``config`` describes, on this machine (``make_plan`` unless
     given): ``LLMEngine(**vars(parts))``."""
+    plan = plan or make_plan(config)
+    logger.info("%s", plan)
+    publisher = _open_kv_publisher(config)  # before the model loads: a busy port fails fast
+    try:
+        parts = _build_parts(config, plan)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
+    if publisher is not None:
+        _attach_kv_publisher(parts, publisher, config)
+    return parts
+
+
+def _open_kv_publisher(config: EngineConfig) -> KVEventPublisher | None:
+    if not config.kv_events_config.publishing:
+        return None  # the cache then logs nothing and hashes nothing: no cost at all
+    from tokenmill.engine.kv_publisher import KVEventPublisher
+
+    return KVEventPublisher(config.kv_events_config, config.cache.block_size)
+
+
+def _attach_kv_publisher(parts: EngineParts, publisher: KVEventPublisher,
+                         config: EngineConfig) -> None:
+    """The prefix cache logs its changes from now on (it is still empty); the engine sends
+    them, and its info says where."""
+    parts.scheduler.block_manager.prefix_cache.enable_events()
+    parts.kv_publisher = publisher
+    parts.info = replace(parts.info, kv_events=publisher.describe())
+    if not config.cache.enable_prefix_caching:
+        logger.warning("KV events are on but the prefix cache is off (--no-prefix-cache): "
+                       "no event will be published")
+    logger.info("KV events: publishing on %s (replay: %s)", publisher.endpoint,
+                publisher.replay_endpoint)
+
+
+def _build_parts(config: EngineConfig, plan: ExecutionPlan) -> EngineParts:
     from tokenmill.speculative import build_decoder, load_draft_model
     from tokenmill.structured.backend import GrammarBackend
     from tokenmill.structured.manager import StructuredOutputManager
     from tokenmill.tokenizer import load_tokenizer
 
-    plan = plan or make_plan(config)
-    logger.info("%s", plan)
     _set_up_process(config, plan)
     executor, loaded = _start_executor(plan)
     tokenizer = load_tokenizer(config.model)

@@ -33,6 +33,9 @@ class EngineInfo:
     # tensor / pipeline parallel ranks: sizes, the all-reduce, each rank's host, pid, threads,
     # cores, layers and KV blocks (empty in one process)
     parallel: dict = field(default_factory=dict)
+    # where the prefix cache's KV events are published (--kv-events-config): endpoint and
+    # replay_endpoint as bound, topic, block_size; None when they are not
+    kv_events: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from tokenmill.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.engine.kv_publisher import KVEventPublisher
     from tokenmill.executor import Executor
     from tokenmill.structured.backend import CompiledGrammar
     from tokenmill.structured.manager import StructuredOutputManager
@@ -96,7 +97,7 @@ class LLMEngine:
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer,
                  info: EngineInfo, *, proposer: DraftProposer | None = None,
                  structured: StructuredOutputManager | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, kv_publisher: KVEventPublisher | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -114,6 +115,8 @@ class LLMEngine:
                               num_generated_tokens=0, forward_seconds=0.0, step_seconds=0.0,
                               num_failed_steps=0)
         self.fault_hook: FaultHook | None = None  # tests only (engine/faults.py)
+        # --kv-events-config: the prefix cache's changes, sent after each step that made any
+        self.kv_publisher = kv_publisher
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -182,7 +185,11 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Abort a request in any state; its KV blocks are freed at once."""
         state = self._requests.pop(request_id, None)
-        return self.scheduler.abort_request(request_id) if state else False
+        if state is None:
+            return False
+        aborted = self.scheduler.abort_request(request_id)
+        self._publish_kv_events()  # freeing may have cached blocks, and no step may come soon
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -263,7 +270,18 @@ class LLMEngine:
         requests are unfinished, whose cached prefixes are in use."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot flush the prefix cache while requests are running")
-        return self.scheduler.flush_prefix_cache()
+        flushed = self.scheduler.flush_prefix_cache()
+        self._publish_kv_events()
+        return flushed
+
+    def _publish_kv_events(self) -> None:
+        """Hand the prefix cache's changes since the last call to the publisher, as one batch
+        (none when nothing changed). Only the queueing happens on this thread."""
+        if self.kv_publisher is None:
+            return
+        events = self.scheduler.block_manager.prefix_cache.take_events()
+        if events:
+            self.kv_publisher.publish(events)
 
     def check_health(self) -> None:
         """Raise (``executor.ExecutorError``) when the executor cannot run steps any more.
@@ -276,8 +294,12 @@ class LLMEngine:
         return self.executor.heartbeat_ages()
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (the model and KV cache go with them); idempotent."""
+        """Stop the executor's workers (the model and KV cache go with them) and the KV-event
+        publisher, after sending what it still holds; idempotent."""
         self.executor.shutdown()
+        if self.kv_publisher is not None:
+            self._publish_kv_events()
+            self.kv_publisher.close()
 
     # ----- one step ---------------------------------------------------------------------------
 
@@ -297,6 +319,8 @@ class LLMEngine:
             if isinstance(e, ExecutorError):  # a worker is gone: no later step can run
                 raise EngineDeadError(f"the executor cannot run steps: {e}") from e
             return []
+        finally:  # a failed step's rollback changed the cache too
+            self._publish_kv_events()
         if s.out.scheduled:  # work done: earlier failures were not the engine's end
             self._blameless_failures = 0
         return outputs

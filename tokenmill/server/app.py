@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.kv_publisher import advertised
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.plan import format_plan
 from tokenmill.request import PromptError, check_vocabulary
@@ -211,11 +212,15 @@ def _add_admin_routes(app: FastAPI, pipeline: RequestPipeline, metrics: ServerMe
     engine = pipeline.engine
 
     @app.get("/server_info")
-    async def server_info():
+    async def server_info(request: Request):
         """How this engine runs: every ``EngineInfo`` field (dtype and why, attention backend,
-        the load-time plan, the CPU it found, sizes), threads and KV blocks now."""
+        the load-time plan, the CPU it found, sizes), threads and KV blocks now. KV-event
+        endpoints bound on every interface are given with the host this request reached the
+        server by, which a client can connect to."""
         stats = engine.snapshot.stats
+        kv_events = advertised(engine.info.kv_events, request.url.hostname or "127.0.0.1")
         return {"version": tokenmill.__version__, **dataclasses.asdict(engine.info),
+                "kv_events": kv_events,
                 "threads": torch.get_num_threads(),
                 "kv_cache_blocks": {"total": stats.num_blocks, "free": stats.num_free_blocks,
                                     "prefix_cached": stats.num_cached_blocks}}
