@@ -188,3 +188,125 @@ def test_sweep_writes_results_and_plot(server, tmp_path):
     assert [p["max_concurrency"] for p in runs["tokenmill"]] == [1, 4]
     assert all(p["completed"] == 4 for p in runs["tokenmill"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multi_turn_shared_system_prompt(tok, tmp_path):
+    plain = wl.multi_turn_workload(tok, 3, 2, 10, 4, seed=7, vocab=tok.vocab_size)
+    assert all(c.system is None for c in plain)
+    convs = wl.multi_turn_workload(tok, 3, 2, 10, 4, seed=7, vocab=tok.vocab_size, system_len=30)
+    assert convs == wl.multi_turn_workload(tok, 3, 2, 10, 4, seed=7, vocab=tok.vocab_size,
+                                           system_len=30)
+    assert len({c.system for c in convs}) == 1  # one system prompt, shared by every conversation
+    assert len(tok.encode(convs[0].system, add_special_tokens=False)) == 30
+    assert len({c.turns[0] for c in convs}) == 3
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"messages": [{"role": "system", "content": "be brief"}, '
+                    '{"role": "user", "content": "a"}]}\n')
+    assert wl.file_workload(path, tok, 9)[0].system == "be brief"
+
+
+class _RecordingChat:
+    """An in-process chat endpoint (httpx MockTransport) that records what each call sent."""
+
+    def __init__(self):
+        self.calls: list[list[dict]] = []
+        self.active = self.peak = 0
+
+    async def __call__(self, request):
+        import httpx
+
+        messages = json.loads(request.content)["messages"]
+        self.calls.append(messages)
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        await asyncio.sleep(0.01)
+        self.active -= 1
+        reply = f"reply to {messages[-1]['content']}"
+        events = [{"choices": [{"index": 0, "delta": {"content": reply}}]},
+                  {"choices": [], "usage": {"prompt_tokens": len(messages), "completion_tokens": 1}}]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=body.encode(),
+                              headers={"content-type": "text/event-stream"})
+
+
+def _run_recorded(convs, max_concurrency):
+    import httpx
+
+    chat = _RecordingChat()
+
+    async def go():
+        client = BenchClient(RunConfig("http://bench.invalid", "m", max_concurrency=max_concurrency),
+                             lambda text: len(text.split()))
+        await client.http.aclose()
+        client.http = httpx.AsyncClient(base_url="http://bench.invalid",
+                                        transport=httpx.MockTransport(chat))
+        try:
+            return await client.run(convs)
+        finally:
+            await client.close()
+    results, duration = asyncio.run(go())
+    return chat, results, duration
+
+
+def test_conversation_sends_system_history_and_replies():
+    convs = [wl.BenchRequest(turns=[f"{name}{i}" for i in range(3)], system="sys", output_len=2)
+             for name in ("a", "b", "c")]
+    chat, results, duration = _run_recorded(convs, max_concurrency=2)
+    assert len(chat.calls) == 9 and all(r.ok for r in results)
+    for messages in chat.calls:
+        assert messages[0] == {"role": "system", "content": "sys"}
+        body = messages[1:]
+        assert [m["role"] for m in body] == ["user", "assistant"] * (len(body) // 2) + ["user"]
+        for user, assistant in zip(body[::2], body[1::2]):  # the replies actually received
+            assert assistant["content"] == f"reply to {user['content']}"
+    assert chat.peak <= 2
+    s = summarize(results, duration)
+    assert sorted(r.turn for r in results) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert set(s["ttft_by_turn"]) == {"first", "later"}
+    assert "TTFT turn 1 median (ms)" in format_table(s)
+    from tokenmill.bench.client import CallResult
+
+    assert "ttft_by_turn" not in summarize([CallResult(ok=True)], 1.0)  # single requests
+
+
+def test_conversation_turns_run_back_to_back():
+    """--max-concurrency counts conversations: with one slot, a conversation's turns all go
+    before the next conversation starts (no interleaving that would evict its cache)."""
+    convs = [wl.BenchRequest(turns=[f"{name}{i}" for i in range(3)], output_len=2)
+             for name in ("a", "b")]
+    chat, results, _ = _run_recorded(convs, max_concurrency=1)
+    assert [m[-1]["content"] for m in chat.calls] == ["a0", "a1", "a2", "b0", "b1", "b2"]
+    assert [r.turn for r in results] == [1, 2, 3, 1, 2, 3]
+
+
+def test_router_benchmark_workloads_parse(tok):
+    """benchmarks/router.py drives ``tokenmill bench serve`` with flags of its own: they must
+    stay flags the bench accepts, and build the workloads the note describes."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    from tokenmill.bench.main import add_bench_parser, build_workload
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "router.py"
+    spec = importlib.util.spec_from_file_location("tokenmill_router_bench", path)
+    rb = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = rb  # its dataclasses look their module up while being built
+    saved_path = list(sys.path)
+    try:
+        spec.loader.exec_module(rb)
+    finally:
+        sys.path[:] = saved_path  # it puts benchmarks/ first, for its own imports
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    for workload in ("shared-prefix", "multi-turn"):
+        args = parser.parse_args(["bench", "serve", "--model", "m",
+                                  *rb.workload_flags(workload, rb.TINY)])
+        reqs = build_workload(args, tok)
+        if workload == "shared-prefix":
+            assert len(reqs) == 8 * rb.TINY.prompts_per_group
+            assert len({r.prompt.split("\n")[0] for r in reqs}) == 8
+        else:
+            assert len(reqs) == rb.TINY.conversations and args.endpoint == "chat"
+            assert all(len(r.turns) == rb.TINY.turns for r in reqs)
+            assert len({r.system for r in reqs}) == 1 and reqs[0].system

@@ -10,7 +10,7 @@ import re
 import sys
 import time
 
-from tokenmill.config import DEFAULT_MODEL
+from tokenmill.config import DEFAULT_MODEL, KVEventsConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.server.tools.parsers import TOOL_PARSERS
 
@@ -35,6 +35,14 @@ def parse_kv_cache_memory(text: str) -> tuple[int | None, int | None]:
 # is the config dataclasses' own (shown in --help); a flag left out is not passed on at all.
 def _int_tuple(value: str) -> tuple[int, ...]:
     return tuple(int(v) for v in value.split(","))
+
+
+def _kv_events_config(value: str) -> KVEventsConfig:
+    """JSON -> ``KVEventsConfig``; a bad key or value is a usage error naming it."""
+    try:
+        return KVEventsConfig.from_json(value)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
@@ -136,6 +144,12 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
         type=float, help="seconds without a rank's heartbeat before it counts as hung")),
     ("--seed", "seed", dict(type=int, help="seed the sampling of requests that give no seed "
                                            "of their own, reproducibly (unset: random)")),
+    ("--kv-events-config", "kv_events_config", dict(
+        type=_kv_events_config, metavar="JSON",
+        help="publish the prefix cache's block stored / removed events in vLLM's KV-event "
+             "format (ZMQ PUB, msgpack) for a cache-aware router; vLLM's JSON, e.g. "
+             "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' "
+             "(port 0: a free port; /server_info says which)")),
 ]
 
 
@@ -199,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     _add_engine_args(serve)
     _add_serve_args(serve)
+    _add_data_parallel_args(serve)
     serve.set_defaults(func=_cmd_serve)
     plan = sub.add_parser("plan", help="print the load-time plan (dtype, kernels, KV blocks, "
                                        "threads) for this machine or a described one")
@@ -211,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench.main import add_bench_parser
 
     add_bench_parser(sub)
+    from tokenmill.router.cli import add_router_parser
+
+    add_router_parser(sub)
     _add_eval_parser(sub)
     return parser
 
@@ -264,6 +282,52 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_limit_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.router.config import POLICIES
+
+    g = p.add_argument_group("data parallelism (replicas behind the router, one port)")
+    g.add_argument("--data-parallel-size", type=int, default=None,
+                   help="run this many engine replicas, each on its own share of the usable "
+                        "cores (with --device cuda, each on its own GPU of "
+                        "CUDA_VISIBLE_DEVICES), behind a router on --host/--port; one that dies "
+                        "is restarted (default: 1, no router)")
+    g.add_argument("--router-policy", default="cache_aware", choices=POLICIES,
+                   help="how the router picks a replica (default: cache_aware)")
+
+
+def _serve_data_parallel(args: argparse.Namespace, options: dict) -> int:
+    """``serve --data-parallel-size N``: the replicas and the router; this process runs no
+    engine."""
+    import os
+
+    from tokenmill.router.app import serve_router
+    from tokenmill.router.config import RouterConfig
+    from tokenmill.router.replicas import DataParallelConfig, run_data_parallel
+
+    if any(options.get(k, 1) > 1 for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                             "nnodes")):
+        raise ValueError("--data-parallel-size runs single-process replicas: it does not go "
+                         "with --tensor-parallel-size, --pipeline-parallel-size or --nnodes")
+    if args.kv_events_config is not None:
+        raise ValueError("--data-parallel-size gives each replica its own --kv-events-config; "
+                         "leave it out")
+    key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or None
+    gpus = None
+    if options.get("device", "cpu").startswith("cuda"):  # one GPU each, chosen by the env
+        if options["device"] != "cuda":
+            raise ValueError("--data-parallel-size gives each replica its own GPU: pass "
+                             "--device cuda and choose the GPUs with CUDA_VISIBLE_DEVICES")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = tuple(visible.split(",") if visible else map(str, range(args.data_parallel_size)))
+    router = RouterConfig(policy=args.router_policy, host=args.host, port=args.port,
+                          api_keys=(key,) if key else (), worker_api_key=key,
+                          log_level=args.log_level)
+    argv = args.argv[args.argv.index("serve") + 1:]
+    return run_data_parallel(DataParallelConfig(
+        size=args.data_parallel_size, serve_argv=tuple(argv), router=router,
+        may_share_cores="num_threads" in options, gpus=gpus), serve_router)
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -410,6 +474,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):  # read as torch loads
         os.environ.setdefault(name, "256")
     options = engine_options(args)  # bad engine flags fail here, before the server is imported
+    if (args.data_parallel_size or 1) > 1:
+        return _serve_data_parallel(args, options)
     if options.get("node_rank", 0) > 0:  # another node's ranks: no engine, no server here
         return _run_headless(args, options)
     from tokenmill.server.app import ServerSettings, run_server
@@ -452,6 +518,7 @@ def _cmd_eval_perplexity(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: replicas reuse it
     try:
         return args.func(args)
     except (TokenmillError, ValueError) as e:

@@ -32,6 +32,7 @@ class CallResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
     text: str = ""
+    turn: int = 0  # 1, 2, ... within a conversation; 0 for a single request
 
 
 @dataclass
@@ -77,21 +78,29 @@ class BenchClient:
 
     async def _one(self, req: BenchRequest, limit: asyncio.Semaphore,
                    results: list[CallResult], on_done: Callable[[], None]) -> None:
-        if not req.is_conversation:
-            async with limit:
+        # a conversation holds its slot for all its turns: --max-concurrency counts sessions,
+        # and a turn follows the one before it at once, as a user in a chat would
+        async with limit:
+            if req.is_conversation:
+                await self._conversation(req, results)
+            else:
                 results.append(await self.call(self._completion_body(req), "completions"))
-            on_done()
-            return
+        on_done()
+
+    async def _conversation(self, req: BenchRequest, results: list[CallResult]) -> None:
+        """Send the turns in order, each with the whole history: the system message, every
+        earlier user turn and the assistant's actual replies."""
         history: list[dict[str, str]] = []
-        for turn in req.turns:  # each turn carries the whole conversation so far
+        if req.system:
+            history.append({"role": "system", "content": req.system})
+        for number, turn in enumerate(req.turns, 1):
             history.append({"role": "user", "content": turn})
-            async with limit:
-                res = await self.call(self._chat_body(history, req.output_len), "chat")
+            res = await self.call(self._chat_body(history, req.output_len), "chat")
+            res.turn = number
             results.append(res)
             if not res.ok:
                 break
             history.append({"role": "assistant", "content": res.text})
-        on_done()
 
     def _common(self, output_len: int) -> dict:
         body = {"model": self.cfg.model, "max_tokens": output_len, "stream": True,

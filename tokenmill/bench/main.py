@@ -50,6 +50,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-len", type=int, default=1024)
     p.add_argument("--question-len", type=int, default=64)
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: user turns")
+    p.add_argument("--system-prompt-len", type=int, default=0,
+                   help="multi-turn: tokens of a system prompt shared by every conversation")
     p.add_argument("--dataset", default=None, help="file: a JSONL of prompts or conversations")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -84,7 +86,7 @@ def build_workload(args: argparse.Namespace, tok) -> list[wl.BenchRequest]:
                                          args.seed, vocab)
     if args.workload == "multi-turn":
         return wl.multi_turn_workload(tok, args.num_prompts, args.num_turns, args.input_len,
-                                      args.output_len, args.seed, vocab)
+                                      args.output_len, args.seed, vocab, args.system_prompt_len)
     if not args.dataset:
         raise ValueError("--workload file needs --dataset FILE.jsonl")
     return wl.file_workload(args.dataset, tok, args.output_len)

@@ -62,6 +62,9 @@ def summarize(results: Sequence[CallResult], duration: float,
         "e2el": _stats([r.e2e for r in ok]),
         "errors": sorted({r.error for r in results if not r.ok})[:10],
     }
+    if any(r.turn for r in results):  # conversations: does a later turn find its history cached?
+        summary["ttft_by_turn"] = {"first": _stats([r.ttft for r in ok if r.turn == 1]),
+                                   "later": _stats([r.ttft for r in ok if r.turn > 1])}
     if slo:
         good = sum(_meets(r, slo) for r in ok)
         summary["slo_ms"] = {k: v * 1000 for k, v in slo.items()}
@@ -81,6 +84,10 @@ def format_table(s: dict) -> str:
     for m in METRICS:
         for key in ("mean_ms", "median_ms", "p90_ms", "p99_ms"):
             rows.append((f"{m.upper()} {key.removesuffix('_ms')} (ms)", f"{s[m][key]:.1f}"))
+    for which, by_turn in s.get("ttft_by_turn", {}).items():
+        name = "TTFT turn 1" if which == "first" else "TTFT turns 2+"
+        rows += [(f"{name} {key.removesuffix('_ms')} (ms)", f"{by_turn[key]:.1f}")
+                 for key in ("median_ms", "p99_ms")]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     return "\n".join(["=" * (width + 12), *lines, "=" * (width + 12)])

@@ -24,6 +24,7 @@ class BenchRequest:
 
     prompt: str | None = None  # completions endpoint
     turns: list[str] = field(default_factory=list)  # chat endpoint: user messages in order
+    system: str | None = None  # conversations: a system message sent before the first turn
     prompt_len: int = 0  # tokens of ``prompt`` (or of the first turn)
     output_len: int = 128
 
@@ -78,20 +79,27 @@ def shared_prefix_workload(tok: Tokenizer, num_groups: int, prompts_per_group: i
 
 
 def multi_turn_workload(tok: Tokenizer, num_conversations: int, turns: int, turn_len: int,
-                        output_len: int, seed: int = 0, vocab: int = 32000) -> list[BenchRequest]:
-    """Conversations of ``turns`` user messages; each turn is sent with the whole history."""
+                        output_len: int, seed: int = 0, vocab: int = 32000,
+                        system_len: int = 0) -> list[BenchRequest]:
+    """Conversations of ``turns`` user messages; each turn is sent with the whole history, so a
+    server (or a router) that keeps a conversation's cache answers later turns faster. With
+    ``system_len`` every conversation starts with the same system prompt of that many tokens:
+    a prefix shared across conversations as well as within one."""
     rng = random.Random(seed)
+    # drawn only when asked for, so workloads without a system prompt stay as they were
+    system = random_text(rng, tok, system_len, vocab) if system_len > 0 else None
     convs = []
     for _ in range(num_conversations):
         msgs = [random_text(rng, tok, turn_len, vocab) for _ in range(turns)]
-        convs.append(BenchRequest(turns=msgs, prompt_len=_count(tok, msgs[0]),
+        convs.append(BenchRequest(turns=msgs, system=system, prompt_len=_count(tok, msgs[0]),
                                   output_len=output_len))
     return convs
 
 
 def file_workload(path: str | Path, tok: Tokenizer, default_output_len: int) -> list[BenchRequest]:
     """JSONL, one object a line: ``{"prompt": str}`` or ``{"turns": [str, ...]}`` (or OpenAI
-    ``{"messages": [...]}``, whose user messages become the turns), optional ``output_len``."""
+    ``{"messages": [...]}``, whose user messages become the turns and whose system message, or
+    a ``"system"`` string, is sent first), optional ``output_len``."""
     reqs = []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -111,11 +119,14 @@ def _from_record(obj: dict, tok: Tokenizer, default_output_len: int, where: str)
     if isinstance(obj.get("prompt"), str):
         return BenchRequest(prompt=obj["prompt"], prompt_len=_count(tok, obj["prompt"]),
                             output_len=out_len)
-    turns = obj.get("turns") or [m["content"] for m in obj.get("messages", [])
-                                 if m.get("role") == "user"]
+    messages = obj.get("messages", [])
+    turns = obj.get("turns") or [m["content"] for m in messages if m.get("role") == "user"]
     if not turns or not all(isinstance(t, str) for t in turns):
         raise ValueError(f"{where}: needs a string 'prompt', 'turns' or user 'messages'")
-    return BenchRequest(turns=list(turns), prompt_len=_count(tok, turns[0]), output_len=out_len)
+    system = obj.get("system") or next((m["content"] for m in messages
+                                        if m.get("role") == "system"), None)
+    return BenchRequest(turns=list(turns), system=system if isinstance(system, str) else None,
+                        prompt_len=_count(tok, turns[0]), output_len=out_len)
 
 
 def _count(tok: Tokenizer, text: str) -> int:

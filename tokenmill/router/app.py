@@ -1,0 +1,255 @@
+"""The router's HTTP app: one OpenAI-compatible endpoint in front of the worker pool.
+
+Routes: every ``/v1/*`` path and ``/tokenize``, ``/detokenize`` are forwarded (``proxy.py``);
+``/v1/models`` lists what the healthy workers (and the model launcher) serve; ``/health``,
+``/metrics`` and ``/workers`` describe the router itself. The pool is ``app.state.pool``, so a
+launcher can add and remove workers while the router runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tokenmill.router.config import RouterConfig
+from tokenmill.router.metrics import RouterMetrics
+from tokenmill.router.policies import Policy, make_policy
+from tokenmill.router.proxy import Proxy, openai_error
+from tokenmill.router.workers import HealthMonitor, KVSubscriptions, Worker, WorkerPool
+
+if TYPE_CHECKING:
+    from tokenmill.router.kv_index import KVIndex
+    from tokenmill.router.models import ModelLauncher
+
+log = logging.getLogger("tokenmill.router")
+
+_FORWARDED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+class Refused(Exception):
+    """A request the router answers itself before routing (a bad key)."""
+
+    def __init__(self, response: Response):
+        super().__init__(response.status_code)
+        self.response = response
+
+
+class Router:
+    """What the app holds: the pool, the policy and its KV index, the launcher; the proxy and
+    its HTTP client exist while the app runs (they need its event loop)."""
+
+    def __init__(self, cfg: RouterConfig, launcher: ModelLauncher | None):
+        self.cfg = cfg
+        self.launcher = launcher
+        self.pool = WorkerPool(cfg)
+        for url in cfg.workers:
+            self.pool.add(url)
+        self.kv_index = _kv_index(cfg)
+        self.policy: Policy = make_policy(cfg, self.kv_index)
+        self.metrics = RouterMetrics(
+            lambda: {w.url: (w.in_flight, w.healthy) for w in self.pool.all()},
+            self.policy.stats)
+        self.kv = (KVSubscriptions(self.kv_index, dict(cfg.kv_event_endpoints))
+                   if self.kv_index is not None else None)
+        self._forget_on_leave()
+        self.proxy: Proxy | None = None
+
+    def _forget_on_leave(self) -> None:
+        """A worker ejected (often restarted, with a cold cache) or removed leaves no stale
+        cache state behind in the policy or the KV index."""
+        def forget(w: Worker) -> None:
+            self.policy.forget_worker(w.url)
+            if self.kv is not None:
+                self.kv.forget(w.url)
+
+        self.pool.on_eject.append(lambda w: self.metrics.ejections.labels(w.url).inc())
+        self.pool.on_eject.append(forget)
+        self.pool.on_remove.append(forget)
+
+    async def ensure_model(self, model: str | None) -> Response | None:
+        """None when ``model`` can be routed (starting it first if the launcher knows it);
+        else the error to answer."""
+        launcher = self.launcher
+        known = launcher is not None and model is not None and launcher.known(model)
+        if model is None or (not known and self.pool.candidates(model)):
+            return None
+        if launcher is not None and known:
+            if not self.pool.candidates(model):
+                refused = await self._start(model)
+                if refused is not None:
+                    return refused
+            launcher.touch(model)
+            return None
+        if self.pool.knows(model):
+            return None  # served, but by workers that are down: the proxy's 503
+        return openai_error(404, f"The model `{model}` does not exist.", param="model",
+                            code="model_not_found")
+
+    async def _start(self, model: str) -> Response | None:
+        from tokenmill.router.models import ModelUnavailable
+
+        assert self.launcher is not None
+        try:
+            await self.launcher.ensure(model, self.pool)
+        except ModelUnavailable as e:
+            return openai_error(getattr(e, "status", 503), str(e), type="overloaded_error",
+                                code="model_unavailable",
+                                headers={"Retry-After": str(getattr(e, "retry_after", 1))})
+        return None
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The healthy workers' model cards and the launcher's, one per id."""
+        cards: dict[str, dict[str, Any]] = {}
+        for w in self.pool.all():
+            if w.healthy:
+                for card in w.cards:
+                    cards.setdefault(str(card["id"]), card)
+        for card in self.launcher.cards() if self.launcher is not None else []:
+            cards.setdefault(str(card["id"]), card)
+        return list(cards.values())
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The HTTP client, a first health round (so the router starts knowing who is up),
+        the health loop; on the way out everything closed in reverse."""
+        cfg = self.cfg
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+            self.proxy = Proxy(cfg, self.pool, self.policy, client, self.metrics,
+                               self.ensure_model)
+            monitor = HealthMonitor(self.pool, client, self.kv)
+            await monitor.probe_all(first=True)
+            task = asyncio.create_task(monitor.run())
+            try:
+                if self.launcher is not None and hasattr(self.launcher, "preload"):
+                    await self.launcher.preload(self.pool)
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await self._close()
+
+    async def _close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()
+        if self.launcher is not None:
+            await self.launcher.shutdown()
+
+
+def _kv_index(cfg: RouterConfig) -> KVIndex | None:
+    """Exact cache-aware routing needs the mirror of the workers' caches; other policies
+    never read it, so no subscriber runs for them."""
+    if not (cfg.kv_events and cfg.policy == "cache_aware"):
+        return None
+    from tokenmill.router.kv_index import KVIndex
+
+    return KVIndex()
+
+
+def build_app(cfg: RouterConfig, launcher: ModelLauncher | None = None) -> FastAPI:
+    """The router app; it owns the pool (``app.state.pool``), the policy and the KV index."""
+    router = Router(cfg, launcher)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async with router.running():
+            yield
+
+    app = FastAPI(title="tokenmill router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.router = router
+    app.state.pool = router.pool
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, e: Refused) -> Response:
+        return e.response
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> Response:  # a bug: OpenAI's shape still
+        log.exception("router error")
+        return openai_error(500, f"the router failed: {e!r}", type="server_error",
+                            code="router_error")
+
+    _add_own_routes(app, router)
+    _add_forwarded_routes(app, router, Depends(_key_check(cfg.api_keys)))
+    return app
+
+
+def _key_check(keys: tuple[str, ...]) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that refuses a request without one of ``keys`` (none: no check)."""
+    wanted = [f"Bearer {k}".encode() for k in keys]
+
+    async def check(request: Request) -> None:
+        if not wanted:
+            return
+        given = request.headers.get("authorization", "").encode("latin-1", "replace")
+        if not any(hmac.compare_digest(given, w) for w in wanted):
+            raise Refused(openai_error(401, "Incorrect API key provided.",
+                                       type="authentication_error", code="invalid_api_key"))
+
+    return check
+
+
+def _add_own_routes(app: FastAPI, router: Router) -> None:
+    """What the router answers itself; /health and /metrics need no key (probes, scrapers)."""
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = sum(w.healthy for w in router.pool.all())
+        ok = healthy > 0 or bool(router.launcher and router.launcher.cards())
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "healthy_workers": healthy},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_forwarded_routes(app: FastAPI, router: Router, key_check: Any) -> None:
+    @app.get("/workers", dependencies=[key_check])
+    async def workers() -> dict[str, Any]:
+        return {"policy": router.policy.name, "workers": [w.state() for w in router.pool.all()]}
+
+    @app.get("/v1/models", dependencies=[key_check])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": router.model_cards()}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[key_check])
+    async def model(model_id: str) -> Response:
+        for card in router.model_cards():
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        return openai_error(404, f"The model `{model_id}` does not exist.", param="model",
+                            code="model_not_found")
+
+    async def forward(request: Request) -> Response:
+        assert router.proxy is not None, "the app is not running"
+        return await router.proxy.handle(request)
+
+    for path in ("/v1/{path:path}", "/tokenize", "/detokenize"):
+        app.add_api_route(path, forward, methods=_FORWARDED_METHODS, dependencies=[key_check],
+                          include_in_schema=False)
+
+
+def serve_router(cfg: RouterConfig, launcher: ModelLauncher | None = None) -> None:
+    """Run the router until interrupted (blocking); the app's lifespan closes the HTTP
+    client, the KV subscribers and the launcher's workers on the way out."""
+    import uvicorn
+
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.log_level != "debug":  # httpx logs every request at info: one line per token stream
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    app = build_app(cfg, launcher)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                access_log=cfg.log_level == "debug", timeout_graceful_shutdown=5)
