@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import httpx
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -124,8 +125,9 @@ class Router:
         cfg = self.cfg
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-            self.proxy = Proxy(cfg, self.pool, self.policy, client, self.metrics,
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client, \
+                _upstream_session(cfg) as session:
+            self.proxy = Proxy(cfg, self.pool, self.policy, session, self.metrics,
                                self.ensure_model)
             monitor = HealthMonitor(self.pool, client, self.kv)
             await monitor.probe_all(first=True)
@@ -145,6 +147,16 @@ class Router:
             self.kv.close()
         if self.launcher is not None:
             await self.launcher.shutdown()
+
+
+def _upstream_session(cfg: RouterConfig) -> aiohttp.ClientSession:
+    """The data path's client: no connection cap (the workers' own queues are the limit),
+    bodies passed as they are (no decompression: the relay reads SSE events)."""
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s,
+                                    sock_connect=cfg.connect_timeout_s)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                 trust_env=False)
 
 
 def _kv_index(cfg: RouterConfig) -> KVIndex | None:
