@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -442,6 +442,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     pol.add_argument("--tiny", action="store_true", help="a few seconds a run: does it work?")
     pol.add_argument("--seed", type=int, default=0)
     pol.add_argument("--worker-args", default="", help="more flags for each tokenmill serve")
+    pol.add_argument("--max-concurrency", type=int, default=None,
+                     help="requests (multi-turn: conversations) in flight (default: 8)")
     for p in (over, pol):
         p.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     args = ap.parse_args(argv)
@@ -452,6 +454,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.mode == "policies":
         args.workloads = args.workloads.split(",")
         args.sizes = TINY if args.tiny else FULL
+        if args.max_concurrency:
+            args.sizes = replace(args.sizes, concurrency=args.max_concurrency)
     return args
 
 

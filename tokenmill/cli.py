@@ -1,4 +1,5 @@
-"""The ``tokenmill`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``eval``.
+"""The ``tokenmill`` command: ``generate``, ``chat``, ``serve``, ``plan``, ``bench``, ``router``
+and ``eval``.
 
 The only place that reads the environment and turns user input into config objects.
 """
