@@ -605,3 +605,11 @@ def test_kv_subscriptions_follow_the_advertised_endpoint():
         assert not kv._subs
 
     asyncio.run(scenario())
+
+
+def test_sigterm_ends_the_router_with_status_0(tmp_path):
+    """A graceful stop is not a crash: a supervisor must not see the router die of SIGTERM."""
+    with start_fake(model="m") as fake:
+        router = start_router(tmp_path, [fake.url])
+        router.stop(signal.SIGTERM)
+        assert router.proc is not None and router.proc.returncode == 0, router.log()

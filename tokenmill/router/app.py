@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -263,5 +264,9 @@ def serve_router(cfg: RouterConfig, launcher: ModelLauncher | None = None) -> No
     if cfg.log_level != "debug":  # httpx logs every request at info: one line per token stream
         logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build_app(cfg, launcher)
+    # What exists now lives as long as the router: kept out of the collector's view, a full
+    # collection (GIL held, every relay paused) walks only what requests create.
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                 access_log=cfg.log_level == "debug", timeout_graceful_shutdown=5)

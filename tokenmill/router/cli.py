@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 from typing import Any
 
 from tokenmill.router.config import POLICIES, RouterConfig
@@ -122,5 +123,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         launcher = ModelLauncher.from_config(cfg)
     from tokenmill.router.app import serve_router
 
+    # uvicorn re-raises the signal that stopped it once it is done; a no-op handler lets a
+    # graceful SIGTERM (uvicorn still sees it) end with status 0, as `tokenmill serve` does.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     serve_router(cfg, launcher)
     return 0

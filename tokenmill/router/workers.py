@@ -5,8 +5,9 @@ request while its circuit is closed: ``eject_after_failures`` consecutive failed
 or as many consecutive failed requests (no connection, a 5xx, a broken stream), open it (the
 worker is *ejected*). The two streaks are counted apart, so that a worker that answers its
 probes but fails every request is still ejected. After ``eject_cooldown_s`` the health monitor
-probes an ejected worker again and one good probe closes the circuit (half-open). Ejection also forgets the worker's cache state (the policy's tree, the KV index),
-because a worker that failed has often restarted with a cold cache.
+probes an ejected worker again and one good probe closes the circuit (half-open). Ejection
+also forgets the worker's cache state (the policy's tree, the KV index), because a worker
+that failed has often restarted with a cold cache.
 
 The health monitor also learns what each worker serves (``GET /v1/models``) and, for tokenmill
 workers that publish KV-cache events (``GET /server_info``'s ``kv_events``), keeps a subscriber
