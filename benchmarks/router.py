@@ -11,8 +11,9 @@ fixed rate, first straight to the fakes (spread over them as the router would), 
 the router; the difference of the latency percentiles is what the router adds. Run once per
 policy, a direct run before each so drift on a shared machine shows up in both columns.
 
-``policies``: two real ``tokenmill serve --num-threads 1`` workers (KV events on when this tokenmill
-supports ``--kv-events-config``) behind a router started afresh for every policy and workload,
+``policies``: two (``--workers``) real ``tokenmill serve --num-threads 1`` workers (KV events
+on when this tokenmill supports ``--kv-events-config``) behind a router started afresh for
+every policy and workload,
 the workers' prefix caches flushed in between; ``tokenmill bench serve`` drives the
 shared-prefix (8 groups) and multi-turn workloads through it. Reported per run: prefix-cache hit
 tokens (the workers' ``tokenmill:prefix_cache_hits`` counters, before and after), TTFT p50/p99
@@ -378,7 +379,7 @@ def run_policies(args: argparse.Namespace) -> dict:
         print("note: this tokenmill's serve has no --kv-events-config yet: the workers publish "
               "no KV events and cache_aware_exact is skipped", file=sys.stderr)
     extra = args.worker_args.split() if args.worker_args else []
-    workers = [start_worker(i, args.model, events, extra) for i in range(2)]
+    workers = [start_worker(i, args.model, events, extra) for i in range(args.workers)]
     rows, skipped = [], []
     try:
         warm(workers, args.model)
@@ -442,6 +443,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     pol.add_argument("--tiny", action="store_true", help="a few seconds a run: does it work?")
     pol.add_argument("--seed", type=int, default=0)
     pol.add_argument("--worker-args", default="", help="more flags for each tokenmill serve")
+    pol.add_argument("--workers", type=int, default=2,
+                     help="tokenmill workers, one thread each (more than the cores: they share)")
     pol.add_argument("--max-concurrency", type=int, default=None,
                      help="requests (multi-turn: conversations) in flight (default: 8)")
     for p in (over, pol):
