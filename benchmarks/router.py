@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from machine import machine  # noqa: E402
 
+from tokenmill.router.replicas import free_port  # noqa: E402
+
 FAKE = HERE / "peers" / "fake_openai.py"
 DEFAULT_MODEL = "smollm2-135m-instruct"  # tokenmill's default; not imported, to stay torch-free
 # label -> (router --policy, extra router flags, needs workers that publish KV events)
@@ -63,12 +64,6 @@ KV_EVENTS_CONFIG = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp:
 
 
 # ---------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

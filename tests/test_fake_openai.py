@@ -18,6 +18,8 @@ sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
 
 from fake_openai import start_fake  # noqa: E402
 
+from tests.test_server_support import free_port  # noqa: E402
+
 
 @pytest.fixture()
 def fake():
@@ -106,14 +108,6 @@ def test_drop_mid_stream_truncates():
         assert httpx.get(srv.url + "/stats").json()["in_flight"] == 0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_imports_neither_torch_nor_tokenmill():
     code = ("import sys; sys.path.insert(0, 'benchmarks/peers'); import fake_openai; "
             "print(sorted(m for m in ('torch', 'tokenmill') if m in sys.modules))")
@@ -123,7 +117,7 @@ def test_imports_neither_torch_nor_tokenmill():
 
 
 def test_command_line():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks/peers/fake_openai.py"),
                              "--port", str(port), "--model", "cli-model"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -21,7 +21,7 @@ from tokenmill.cache.events import chain_hashes
 from tokenmill.cache.radix import NullPrefixCache, RadixPrefixCache
 from tokenmill.cli import build_parser, engine_options
 from tokenmill.config import EngineConfig, KVEventsConfig
-from tokenmill.engine.kv_publisher import END_OF_REPLAY, KVEventPublisher, _offset, advertised
+from tokenmill.engine.kv_publisher import KVEventPublisher, _offset, advertised
 from tokenmill.params import SamplingParams
 
 BS = 4
@@ -386,7 +386,7 @@ def replay(endpoint: str, start: int, ctx: zmq.Context) -> list[tuple[int, bytes
         while True:
             assert sock.poll(5000), "no replay answer"
             _, seq, payload = sock.recv_multipart()
-            if seq == END_OF_REPLAY:
+            if seq == kv.END_OF_REPLAY:
                 assert payload == b""
                 return got
             got.append((kv.seq_of(seq), payload))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import time
 import types
 from dataclasses import replace
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.test_server_support import free_port
 from tests.tiny_models import make_hf_model, save_hf_model, write_word_tokenizer
 from tokenmill.distributed.shm import ShmAllReduce, shm_dir
 from tokenmill.kernels import cpu as cpu_kernels
@@ -36,12 +36,6 @@ BF16_STEP = F32_STEP and getattr(ops, "has_bf16_gemm", False)
 SLOT = 4096  # bytes per rank and round: 1024 float32 values, so that most sizes take several
 SIZES = [1, 7, 1000, 1024, 1025, 2048 + 13, 3 * 576 + 5, 5000]
 BLOCK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(fn, world: int, *args) -> None:

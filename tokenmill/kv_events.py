@@ -70,6 +70,10 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _DECODER.decode(payload)
 
 
+# The replay socket's last answer: seq -1 (8 signed big-endian bytes) with an empty payload.
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
 def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 

@@ -34,15 +34,14 @@ from collections.abc import Sequence
 import zmq
 
 from tokenmill.config import KVEventsConfig
-from tokenmill.kv_events import KVCacheEvent, KVEventBatch, encode_batch, seq_bytes
+from tokenmill.kv_events import (END_OF_REPLAY, KVCacheEvent, KVEventBatch, encode_batch,
+                                 seq_bytes, seq_of)
 
 logger = logging.getLogger("tokenmill.engine")
 
 # The publisher thread's longest wait for a batch before it looks at the replay socket again:
 # what a replay request may wait at most while no step runs.
 _POLL_SECONDS = 0.05
-# vLLM's end-of-replay marker: seq -1 as 8 signed big-endian bytes, with an empty payload.
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _TCP = re.compile(r"tcp://(?P<host>\[[^\]]*\]|[^:/]*):(?P<port>\d+|\*)")
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 
@@ -144,7 +143,7 @@ class KVEventPublisher:
             if len(start) != 8 or not 1 <= len(envelope) <= 2:
                 logger.warning("KV events: ignored a replay request of %d frames", len(frames))
                 continue
-            first = int.from_bytes(start, "big")
+            first = seq_of(start)
             for seq, payload in list(self._buffer):
                 if seq >= first:
                     self._replay.send_multipart((*envelope, seq_bytes(seq), payload))

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenmill.errors import TokenmillError
-from tokenmill.router.replicas import START_TIMEOUT_S, ChildProcess, free_port
+from tokenmill.router.replicas import (START_TIMEOUT_S, ChildProcess, ChildStartError,
+                                       free_port, wait_healthy)
 
 if TYPE_CHECKING:
     from tokenmill.router.config import RouterConfig
@@ -284,31 +285,13 @@ class ModelLauncher:
                              env=env)
         child.start()
         try:
-            await _wait_healthy(child, url, self.start_timeout_s)
+            await asyncio.to_thread(wait_healthy, [child], [url], self.start_timeout_s)
+        except ChildStartError as e:
+            hung = child.exit_code() is None  # running, but not answering in time
+            await asyncio.to_thread(child.stop, 5.0)
+            raise ModelUnavailable(str(e), retry_after=30 if hung else 5) from None
         except BaseException:
             await asyncio.to_thread(child.stop, 5.0)
             raise
         worker = pool.add(url, models=(model,))
         self._running[model] = _Running(child, url, worker)
-
-
-async def _wait_healthy(child: ChildProcess, url: str, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        while True:
-            code = child.exit_code()
-            if code is not None:
-                await asyncio.to_thread(child.stop, 1.0)  # reaps it; its last lines read
-                raise ModelUnavailable(f"{child.name} exited with status {code} while "
-                                       f"starting; its last output:\n{child.tail()}")
-            try:
-                if (await client.get(f"{url}/health")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ModelUnavailable(f"{child.name} did not become healthy in "
-                                       f"{timeout:.0f}s", retry_after=30)
-            await asyncio.sleep(0.3)
