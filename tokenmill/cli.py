@@ -32,6 +32,14 @@ def parse_kv_cache_memory(text: str) -> tuple[int | None, int | None]:
     return int(float(m.group(1)) * _SIZE_UNITS[unit]), None
 
 
+def _size(text: str, flag: str) -> int:
+    """A byte size (``8GiB``) for flags that take no block counts."""
+    size, _ = parse_kv_cache_memory(text)
+    if size is None:
+        raise argparse.ArgumentTypeError(f"{flag} takes bytes (e.g. 8GiB), not blocks")
+    return size
+
+
 # Engine flags: (flag, option of EngineConfig.from_options, argparse keywords). Every default
 # is the config dataclasses' own (shown in --help); a flag left out is not passed on at all.
 def _int_tuple(value: str) -> tuple[int, ...]:
@@ -148,6 +156,41 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
                                            "the same order sample the same text (in bf16 on "
                                            "a CPU, with a fixed --num-threads: the thread "
                                            "count changes bf16 sums) (unset: random)")),
+    ("--kv-role", "kv_role", dict(
+        choices=("producer", "consumer", "both"),
+        help="prefill/decode disaggregation (vLLM's kv_transfer_params protocol): a producer "
+             "prefills requests marked do_remote_decode and keeps their KV blocks for a "
+             "consumer to pull; a consumer pulls the blocks a request's kv_transfer_params "
+             "names instead of computing the prompt (tokenmill router --pd routes both)")),
+    ("--kv-transport", "kv_transport", dict(
+        choices=("auto", "shm", "tcp"),
+        help="how KV blocks travel between instances: shm (same host), tcp, or auto (shm "
+             "where both run on one host)")),
+    ("--kv-transfer-host", "kv_transfer_host", dict(
+        help="the address consumers reach this producer's KV side channel at (unset: "
+             "127.0.0.1)")),
+    ("--kv-transfer-port", "kv_transfer_port", dict(
+        type=int, help="the KV side channel's port (rank r: port + r; 0: free ports)")),
+    ("--kv-transfer-timeout", "kv_transfer_timeout", dict(
+        type=float, help="seconds a producer keeps a finished prefill's blocks for a consumer "
+                         "that does not pull them")),
+    ("--kv-pull-timeout", "kv_pull_timeout", dict(
+        type=float, help="seconds a consumer waits for a pull before computing the prompt "
+                         "itself")),
+    ("--kv-offload", "kv_offload", dict(
+        choices=("none", "host", "disk"),
+        help="where blocks the prefix cache evicts go, to be loaded back on a later hit: host "
+             "(RAM) or disk (--kv-offload-dir; kept across restarts)")),
+    ("--kv-offload-size", "kv_offload_size", dict(
+        type=lambda v: _size(v, "--kv-offload-size"),
+        help="bytes of the offload tier (host RAM, or disk), e.g. 8GiB")),
+    ("--kv-offload-host-size", "kv_offload_host_size", dict(
+        type=lambda v: _size(v, "--kv-offload-host-size"),
+        help="with --kv-offload disk: a RAM tier of this many bytes in front of the disk")),
+    ("--kv-offload-dir", "kv_offload_dir", dict(
+        help="with --kv-offload disk: the directory of block files (shared by restarts)")),
+    ("--kv-test-fail-after-blocks", "kv_test_fail_after_blocks", dict(
+        type=int, help=argparse.SUPPRESS)),
     ("--kv-events-config", "kv_events_config", dict(
         type=_kv_events_config, metavar="JSON",
         help="publish the prefix cache's block stored / removed events in vLLM's KV-event "

@@ -173,6 +173,60 @@ class ParallelConfig:
         return self.world_size > 1 or self.nnodes > 1 or self.distributed_executor_backend == "ray"
 
 
+KV_ROLES = ("producer", "consumer", "both")
+KV_OFFLOAD_TIERS = ("none", "host", "disk")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """KV blocks that leave the KV cache (``tokenmill/kv_transfer/``): to a decode instance
+    (``kv_role``: prefill/decode disaggregation, vLLM's ``kv_transfer_params`` protocol) or to
+    slower tiers the radix cache spills to and loads back from (``kv_offload``)."""
+
+    kv_role: str | None = None  # None | "producer" (prefill) | "consumer" (decode) | "both"
+    kv_transport: str = "auto"  # "shm" (same host), "tcp", or "auto" (shm where it can)
+    kv_transfer_host: str | None = None  # advertised to consumers (None: 127.0.0.1)
+    kv_transfer_port: int = 0  # the side channel of rank r binds port + r (0: free ports)
+    kv_transfer_timeout: float = 120.0  # producer: unpulled blocks are freed after this (s)
+    kv_pull_timeout: float = 10.0  # consumer: a pull that takes longer is recomputed (s)
+    # "host" (evicted blocks kept in RAM), "disk" (blocks written to --kv-offload-dir, kept
+    # across restarts, with an optional RAM tier of kv_offload_host_size in front)
+    kv_offload: str = "none"
+    kv_offload_size: int | None = None  # bytes of the host tier, or of the disk tier
+    kv_offload_host_size: int = 0  # disk: bytes of a RAM tier in front of it (0: none)
+    kv_offload_dir: str | None = None  # disk: where block files live
+    # tests only: a producer sends this many blocks of each pull, then goes silent
+    kv_test_fail_after_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got "
+                             f"{self.kv_role!r} (--kv-role)")
+        if self.kv_transport not in ("auto", "shm", "tcp"):
+            raise ValueError(f"kv_transport must be auto, shm or tcp, got {self.kv_transport!r}")
+        if self.kv_offload not in KV_OFFLOAD_TIERS:
+            raise ValueError(f"kv_offload must be one of {', '.join(KV_OFFLOAD_TIERS)}, got "
+                             f"{self.kv_offload!r} (--kv-offload)")
+        if self.kv_offload == "disk" and not self.kv_offload_dir:
+            raise ValueError("--kv-offload disk needs a directory (--kv-offload-dir)")
+        if self.kv_offload != "none" and not self.kv_offload_size:
+            raise ValueError(f"--kv-offload {self.kv_offload} needs a size (--kv-offload-size)")
+        if self.kv_offload == "none" and (self.kv_offload_dir or self.kv_offload_host_size):
+            raise ValueError("--kv-offload-dir and --kv-offload-host-size apply only with "
+                             "--kv-offload disk")
+        if self.kv_offload == "host" and self.kv_offload_host_size:
+            raise ValueError("--kv-offload-host-size applies only with --kv-offload disk "
+                             "(the host tier's size is --kv-offload-size)")
+        if not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError(f"kv_transfer_port must be a port number, got {self.kv_transfer_port}")
+        if self.kv_transfer_timeout <= 0 or self.kv_pull_timeout <= 0:
+            raise ValueError("kv transfer timeouts must be positive")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_role is not None or self.kv_offload != "none"
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     """Publishing the prefix cache's changes as KV events (``tokenmill/kv_events.py``), so a
@@ -271,11 +325,16 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # prefix-cache changes published as vLLM-format KV events (off by default)
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+    # KV blocks moved to a decode instance or to host / disk tiers (off by default)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_events_config, dict):  # LLM(kv_events_config={...}), as vLLM's
             object.__setattr__(self, "kv_events_config",
                                KVEventsConfig.from_dict(self.kv_events_config))
+        if self.kv_transfer.kv_offload != "none" and not self.cache.enable_prefix_caching:
+            raise ValueError("--kv-offload spills the prefix cache: it needs prefix caching "
+                             "(drop --no-prefix-cache)")
         # The CPU formats would be dequantized at load on a GPU: refused, not quietly dropped.
         if self.device.split(":")[0] == "cuda" and self.quantization in ("int8", "int4", "auto"):
             raise ValueError(f"quantization {self.quantization!r} (--quantization) runs on CPUs "
@@ -310,7 +369,8 @@ def _check_json_type(what: str, value: Any, annotation: str) -> None:
 
 
 _SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
-                              "speculative": SpeculativeConfig, "parallel": ParallelConfig}
+                              "speculative": SpeculativeConfig, "parallel": ParallelConfig,
+                              "kv_transfer": KVTransferConfig}
 _SPECULATIVE_METHODS = ("ngram", "draft", "layerskip")
 # speculative options that belong to one method; the others belong to every method
 _SPECULATIVE_OPTION_METHODS = {"prompt_lookup_min": ("ngram",), "prompt_lookup_max": ("ngram",),

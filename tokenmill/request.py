@@ -21,6 +21,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # never run yet (or waiting for its prompt to be shared, n > 1)
     RUNNING = "running"  # holds KV blocks, scheduled every step while the budget allows
     PREEMPTED = "preempted"  # blocks taken back; recomputed from scratch when readmitted
+    # Admitted, holding a seat and blocks, while a KV connector fills them (another instance's
+    # prefill, an offload tier): never scheduled until the connector reports the load done.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -112,6 +115,10 @@ class Request:
     parent_id: str | None = None  # the caller's request id when this is one of n > 1 sequences
     seq_index: int = 0
     cache_salt: str | None = None  # prefix-cache namespace: other salts never share its blocks
+    # The caller's ``kv_transfer_params`` (prefill/decode disaggregation), read by the engine's
+    # KV connector; ``kv_transfer_out`` is what the connector answered when the sequence ended.
+    kv_transfer_params: dict | None = None
+    kv_transfer_out: dict | None = None
     # Owned by the scheduler from here on.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (or written this step)
@@ -178,7 +185,8 @@ class Request:
         if n == 1:
             return [self]
         return [replace(self, request_id=sequence_id(self.request_id, i), parent_id=self.request_id,
-                        seq_index=i, output_token_ids=[], spec_token_ids=[], grammar=None)
+                        seq_index=i, output_token_ids=[], spec_token_ids=[], grammar=None,
+                        kv_transfer_out=None)
                 for i in range(n)]
 
 
@@ -210,14 +218,17 @@ class RequestOutput:
     finished: bool = False
     prompt: str | None = None  # the prompt text, when the caller gave text
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    kv_transfer_params: dict | None = None  # the KV connector's answer (its leader's), when done
 
     @classmethod
     def from_sequences(cls, sequences: list[Request]) -> RequestOutput:
         """Token-level snapshot of a request's sequences; text and logprobs are the engine's."""
-        first = sequences[0]
+        ordered = sorted(sequences, key=lambda s: s.seq_index)
+        first = ordered[0]
         outputs = [CompletionOutput(s.seq_index, list(s.output_token_ids),
                                     finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-                   for s in sorted(sequences, key=lambda s: s.seq_index)]
+                   for s in ordered]
         return cls(first.group_id, first.prompt_token_ids, outputs,
                    finished=all(s.is_finished for s in sequences),
-                   num_cached_tokens=first.num_cached_tokens or 0)
+                   num_cached_tokens=first.num_cached_tokens or 0,
+                   kv_transfer_params=first.kv_transfer_out)

@@ -55,8 +55,10 @@ class CacheEventLog:
     """The cache's changes since the engine last took them, in the order they happened (a
     consumer replays them in order, so a block stored and then evicted in one step nets out)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, record: bool = True) -> None:
         self.block_size = block_size
+        # False: blocks are hashed (a KV connector names them so) but no events are kept
+        self.record = record
         self._events: list[KVCacheEvent] = []
 
     def stored(self, parent: int | None, tokens: Sequence[int],
@@ -64,11 +66,13 @@ class CacheEventLog:
         """Log a new run of whole blocks continuing ``parent`` (None: at a root, under
         ``salt``); returns their hashes, which the tree keeps beside the blocks."""
         hashes = chain_hashes(parent, tokens, self.block_size, salt)
-        self._events.append(BlockStored(list(hashes), parent, list(tokens), self.block_size))
+        if self.record:
+            self._events.append(BlockStored(list(hashes), parent, list(tokens), self.block_size))
         return hashes
 
     def removed(self, hashes: Sequence[int]) -> None:
-        self._events.append(BlockRemoved(list(hashes)))
+        if self.record:
+            self._events.append(BlockRemoved(list(hashes)))
 
     def mark(self) -> int:
         """A position to ``cleared`` back to."""
@@ -78,7 +82,8 @@ class CacheEventLog:
         """Every block is gone: the removals logged since ``since`` say nothing a consumer
         needs beyond one ``AllBlocksCleared`` (stores before them still come first)."""
         del self._events[since:]
-        self._events.append(AllBlocksCleared())
+        if self.record:
+            self._events.append(AllBlocksCleared())
 
     def take(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

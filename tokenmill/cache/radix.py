@@ -17,6 +17,11 @@ KV events (``enable_events``, off by default): each node also holds a chained 64
 block (``cache/events.py``); a new leaf logs one ``BlockStored``, an evicted one a
 ``BlockRemoved``, a flush that empties the tree ``AllBlocksCleared``. The engine takes the log
 once per step and publishes it, so a consumer's mirror holds exactly the tree's blocks.
+
+Block listener (``set_block_listener``, a KV connector's offload tiers): told of every block the
+tree adopts and every block it evicts for room, by hash, tokens and block id, while the block
+still holds its KV (the listener copies it out before the block is written again). A flush
+tells it nothing: flushed blocks are dropped, not kept elsewhere.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.cache.block_pool import BlockPool, CacheIntegrityError
 
@@ -73,6 +78,17 @@ class PrefixHandle:
 
 
 EMPTY_HANDLE = PrefixHandle()
+
+
+class BlockListener(Protocol):
+    """What a ``RadixPrefixCache`` tells about blocks entering and leaving it (``hashes[i]``
+    names block ``blocks[i]``, which holds ``tokens[i * block_size:(i + 1) * block_size]``)."""
+
+    def blocks_cached(self, hashes: Sequence[int], tokens: Sequence[int],
+                      blocks: Sequence[int]) -> None: ...
+
+    def blocks_evicted(self, hashes: Sequence[int], tokens: Sequence[int],
+                       blocks: Sequence[int]) -> None: ...
 
 
 class PrefixCache(ABC):
@@ -144,6 +160,10 @@ class PrefixCache(ABC):
         """The events logged since the last call, oldest first ([] while events are off)."""
         return []
 
+    def set_block_listener(self, listener: BlockListener) -> None:
+        """Tell ``listener`` of blocks cached and evicted from now on (the null cache has none
+        to tell of)."""
+
 
 class NullPrefixCache(PrefixCache):
     """Caches nothing: what ``enable_prefix_caching=False`` (``--no-prefix-cache``) selects."""
@@ -196,14 +216,26 @@ class RadixPrefixCache(PrefixCache):
         # or are used again, rather than the tree being searched when blocks are needed.
         self._heap: list[tuple[int, int, _Node]] = []
         self._pushes = itertools.count()
-        self._log: CacheEventLog | None = None  # KV events, when enabled
+        self._log: CacheEventLog | None = None  # block hashes (and KV events, when enabled)
+        self._listener: BlockListener | None = None
 
     def enable_events(self) -> None:
+        self._hash_blocks().record = True
+
+    def set_block_listener(self, listener: BlockListener) -> None:
+        self._hash_blocks()
+        self._listener = listener
+
+    def _hash_blocks(self) -> CacheEventLog:
+        """Name every block by its chained hash from now on (events recorded or not)."""
         from tokenmill.cache.events import CacheEventLog
 
-        if self._num_cached:  # blocks cached before would have no hash to name them by
-            raise CacheIntegrityError("KV events must be enabled while the cache is empty")
-        self._log = CacheEventLog(self.block_size)
+        if self._log is None:
+            if self._num_cached:  # blocks cached before would have no hash to name them by
+                raise CacheIntegrityError("block hashes (KV events, a KV connector) must be "
+                                          "enabled while the cache is empty")
+            self._log = CacheEventLog(self.block_size, record=False)
+        return self._log
 
     def take_events(self) -> list[KVCacheEvent]:
         return self._log.take() if self._log is not None else []
@@ -307,6 +339,8 @@ class RadixPrefixCache(PrefixCache):
             leaf.hashes = self._log.stored(parent.hashes[-1] if parent.hashes else None, key,
                                            salt)
         parent.children[key[:self.block_size]] = leaf
+        if self._listener is not None:
+            self._listener.blocks_cached(leaf.hashes, key, blocks)
         self._num_cached += len(blocks)
         self._num_evictable += len(blocks)
         self._num_nodes += 1
@@ -344,6 +378,8 @@ class RadixPrefixCache(PrefixCache):
         leaf.dropped = True
         if self._log is not None:
             self._log.removed(leaf.hashes)
+        if self._listener is not None:
+            self._listener.blocks_evicted(leaf.hashes, leaf.key, leaf.blocks)
         freed = 0
         for block_id in reversed(leaf.blocks):
             freed += self.pool.ref_count(block_id) == 1  # else a request still holds it
@@ -358,7 +394,11 @@ class RadixPrefixCache(PrefixCache):
         """As the base class; a flush that empties the tree logs one ``AllBlocksCleared``
         instead of a removal per node."""
         mark = self._log.mark() if self._log is not None else 0
-        freed = self.evict(self.num_evictable_blocks)
+        listener, self._listener = self._listener, None  # flushed blocks are not kept
+        try:
+            freed = self.evict(self.num_evictable_blocks)
+        finally:
+            self._listener = listener
         if self._log is not None and not self._num_cached:
             self._log.cleared(mark)
         return freed

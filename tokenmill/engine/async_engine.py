@@ -90,6 +90,7 @@ class _Add:
     stream: RequestStream
     added: asyncio.Future  # settled on the event loop once the engine took (or refused) it
     grammar: CompiledGrammar | None = None  # compiled off the loop thread: it never compiles
+    kv_transfer_params: dict | None = None  # prefill/decode hand-over (kv_transfer/pd.py)
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,8 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt: str | Sequence[int],
                           params: SamplingParams, priority: int = 0,
                           cache_salt: str | None = None,
-                          grammar: CompiledGrammar | None = None) -> RequestStream:
+                          grammar: CompiledGrammar | None = None,
+                          kv_transfer_params: dict | None = None) -> RequestStream:
         """Queue a request and return its output stream once the engine took it. Pass its
         constraint's ``grammar`` (``compile_grammar``), or the loop thread compiles it.
 
@@ -279,7 +281,7 @@ class AsyncEngine:
         added = self._loop.create_future()
         self._adds_sent += 1
         self._send(_Add(request_id, prompt, params, priority, cache_salt, stream, added,
-                        grammar))
+                        grammar, kv_transfer_params))
         try:
             await added
         except asyncio.CancelledError:
@@ -338,7 +340,7 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    while not (self._commands or self._stop or self.engine.has_unfinished_requests()):
+                    while not (self._commands or self._stop or self.engine.has_pending_work()):
                         self._cond.wait()
                     if self._stop:
                         break
@@ -348,7 +350,7 @@ class AsyncEngine:
                     self._apply(command)
                 if commands:
                     self._publish_or_log()
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_pending_work():
                     self._step()
                 else:
                     self._publish_or_log()
@@ -395,7 +397,8 @@ class AsyncEngine:
         try:
             self.engine.add_request(c.request_id, c.prompt, c.params, priority=c.priority,
                                     arrival_time=c.stream.timings.arrival,
-                                    cache_salt=c.cache_salt, grammar=c.grammar)
+                                    cache_salt=c.cache_salt, grammar=c.grammar,
+                                    kv_transfer_params=c.kv_transfer_params)
         except Exception as e:
             # Publish first: a stale snapshot would count this refused add as queued, and a
             # caller told of the refusal could be refused admission for it.

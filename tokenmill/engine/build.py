@@ -21,6 +21,7 @@ from tokenmill.sched.scheduler import Scheduler
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.kv_publisher import KVEventPublisher
+    from tokenmill.kv_transfer.base import KVConnectorScheduler
     from tokenmill.model.loader import LoadedModel
 
 logger = logging.getLogger("tokenmill.engine")
@@ -90,19 +91,38 @@ def _build_parts(config: EngineConfig, plan: ExecutionPlan) -> EngineParts:
     tokenizer = load_tokenizer(config.model)
     draft = load_draft_model(config.speculative, loaded, plan.model_config, tokenizer,
                              config.device, plan.dtype, plan.attention_backend)
+    connector = _kv_connector(config, plan, executor)
     scheduler = Scheduler(replace(config.scheduler, max_model_len=plan.max_model_len),
                           config.cache, num_blocks=executor.kv_capacity,
                           eos_token_ids={*tokenizer.eos_token_ids,
-                                         *plan.model_config.eos_token_ids})
+                                         *plan.model_config.eos_token_ids},
+                          connector=connector)
+    if connector is not None and hasattr(connector, "blocks_evicted"):  # offload tiers
+        scheduler.block_manager.prefix_cache.set_block_listener(connector)
     proposer = build_decoder(config.speculative, draft, executor.kv_capacity,
                              plan.kv.block_size, config.device,
                              config.scheduler.max_num_batched_tokens,
                              block_manager=scheduler.block_manager)
     grammars = GrammarBackend(tokenizer.backend.to_str(), plan.model_config.vocab_size,
                               sorted(scheduler.eos_token_ids))
-    return EngineParts(scheduler, executor, tokenizer, engine_info(config, plan, executor),
-                       proposer, StructuredOutputManager(grammars, config.jump_forward),
-                       config.seed)
+    info = engine_info(config, plan, executor)
+    if connector is not None:
+        info = replace(info, kv_transfer=connector.describe())
+        logger.info("KV connector: %s", info.kv_transfer)
+    return EngineParts(scheduler, executor, tokenizer, info, proposer,
+                       StructuredOutputManager(grammars, config.jump_forward), config.seed)
+
+
+def _kv_connector(config: EngineConfig, plan: ExecutionPlan,
+                  executor: Executor) -> KVConnectorScheduler | None:
+    """The scheduler's side of the KV connector, built from what the workers' side found."""
+    info = executor.kv_connector_info()
+    if info is None:
+        return None
+    from tokenmill.kv_transfer.factory import build_scheduler_connector
+
+    return build_scheduler_connector(config.kv_transfer, plan.kv.block_size, info,
+                                     tp_size=plan.parallel.tensor_parallel_size)
 
 
 def run_headless_node(config: EngineConfig) -> int:

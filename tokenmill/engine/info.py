@@ -36,6 +36,9 @@ class EngineInfo:
     # where the prefix cache's KV events are published (--kv-events-config): endpoint and
     # replay_endpoint as bound, topic, block_size; None when they are not
     kv_events: dict | None = None
+    # the KV connector (--kv-role, --kv-offload): role and side channel, or the offload
+    # tiers; None when there is none
+    kv_transfer: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,12 @@ class EngineStats:
     scheduler_seconds: float = 0.0  # schedule() + update_from_output()
     step_seconds: float = 0.0  # whole steps, detokenization included
     num_failed_steps: int = 0  # steps that raised (their requests failed, the engine went on)
+    # KV connector: tokens admitted as external hits (offload tiers, pulled from a producer),
+    # requests waiting for their KV, finished requests whose blocks a consumer has yet to pull
+    external_cache_hits: int = 0
+    num_loading: int = 0
+    num_held: int = 0
+    kv_tiers: dict = field(default_factory=dict)  # per tier / transfer: kv_transfer.TierStats
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenmill.engine.info import EngineInfo, EngineStats, StepInfo
 from tokenmill.engine.output_state import RequestState
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.kv_publisher import KVEventPublisher
     from tokenmill.executor import Executor
+    from tokenmill.kv_transfer.base import KVConnectorOutput
     from tokenmill.structured.backend import CompiledGrammar
     from tokenmill.structured.manager import StructuredOutputManager
     from tokenmill.structured.spec import StructuredOutputs
@@ -84,6 +85,8 @@ class _StepState:
     stage: str = "step"  # step (nothing touched yet), propose, schedule
     out: SchedulerOutput | None = None  # schedule()'s result, once it returned
     updated: bool = False  # update_from_output() was called: the scheduler took ``out``
+    kv_output: KVConnectorOutput | None = None  # what the KV connector's workers reported
+    kv_sent: bool = False  # the step's KV connector ops reached the executor
 
 
 class LLMEngine:
@@ -136,19 +139,26 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    grammar: CompiledGrammar | None = None) -> None:
+                    grammar: CompiledGrammar | None = None,
+                    kv_transfer_params: Mapping[str, Any] | None = None) -> None:
         """Queue a request. Raises ValueError (nothing queued) for a bad prompt or one that can
         never fit the context or the KV cache. Requests with different ``cache_salt`` never
         share prefix-cache entries. ``grammar`` is the request's constraint compiled already
-        (``compile_grammar``; the server does it off this thread), else it is compiled here."""
+        (``compile_grammar``; the server does it off this thread), else it is compiled here.
+        ``kv_transfer_params``: vLLM's prefill/decode hand-over (``kv_transfer/pd.py``); a
+        ValueError starting "kv_transfer_params: " when this engine cannot honour them."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) \
             else (None, [int(t) for t in prompt])
         self.check_prompt(ids)
         params = self._seeded(params or SamplingParams())
+        if kv_transfer_params is not None:
+            self._check_kv_transfer(kv_transfer_params, params)
         grammar = self._grammar_for(params.structured_outputs, grammar)
         request = Request(request_id, ids, params, priority=priority, cache_salt=cache_salt,
+                          kv_transfer_params=dict(kv_transfer_params)
+                          if kv_transfer_params is not None else None,
                           **({} if arrival_time is None else {"arrival_time": arrival_time}))
         sequences = self.scheduler.add_request(request)
         if grammar is not None:
@@ -156,6 +166,16 @@ class LLMEngine:
         self._num_added += 1
         self._requests[request_id] = RequestState(request_id, text, ids, params, sequences,
                                                   self.tokenizer)
+
+    def _check_kv_transfer(self, kv_params: Mapping[str, Any], params: SamplingParams) -> None:
+        from tokenmill.kv_transfer.pd import check_kv_transfer_params
+
+        if not isinstance(kv_params, Mapping):
+            raise ValueError("kv_transfer_params: must be an object")
+        check_kv_transfer_params(kv_params, getattr(self.scheduler.connector, "role", None))
+        if kv_params.get("do_remote_decode") and params.n != 1:
+            raise ValueError("kv_transfer_params: do_remote_decode prefills one sequence; "
+                             "ask the decode instance for n > 1")
 
     def compile_grammar(self, spec: StructuredOutputs | None) -> CompiledGrammar | None:
         """The compiled constraint (None for None). Raises ``ConstraintError`` (a ValueError
@@ -193,6 +213,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def has_pending_work(self) -> bool:
+        """Unfinished requests, or KV still moving for finished ones (a producer's blocks
+        waiting to be pulled, loads to be reported): the loop keeps stepping for either."""
+        return bool(self._requests) or self.scheduler.has_pending_kv_work
 
     def current_output(self, request_id: str) -> RequestOutput | None:
         """What an unfinished request has produced so far (nothing, while it waits)."""
@@ -255,7 +280,13 @@ class LLMEngine:
             num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             scheduler_seconds=s.overhead_seconds_total, **self._grammar_stats(), **self._counters,
-            spec=self.proposer.stats() if hasattr(self.proposer, "stats") else None)
+            spec=self.proposer.stats() if hasattr(self.proposer, "stats") else None,
+            external_cache_hits=s.external_cache_hits, num_loading=s.num_loading,
+            num_held=s.num_held, kv_tiers=self._kv_tiers())
+
+    def _kv_tiers(self) -> dict:
+        connector = self.scheduler.connector
+        return dict(connector.stats()) if connector is not None else {}
 
     def _grammar_stats(self) -> dict:
         if self.structured is None:
@@ -336,7 +367,9 @@ class LLMEngine:
         out = s.out = self.scheduler.schedule()
         self._inject("schedule", s)
         self._forget(out.finished_ids)  # aborted between steps
-        result, seconds = self._run(s) if out.scheduled else (ModelOutput(), 0.0)
+        moving = out.kv_connector_metadata is not None or self.scheduler.has_pending_kv_work
+        result, seconds = self._run(s) if out.scheduled or moving else (ModelOutput(), 0.0)
+        s.kv_output = result.kv_connector_output  # a failure below must not lose it
         self._inject("observe", s)
         if hasattr(self.proposer, "observe"):
             self.proposer.observe(out.scheduled, result.token_ids, out.num_batched_tokens,
@@ -346,7 +379,8 @@ class LLMEngine:
             for group_id, why in self.structured.take_failed().items():
                 self._fail(group_id, why)
         s.updated = True
-        updates = self.scheduler.update_from_output(out, result.token_ids)
+        updates = self.scheduler.update_from_output(out, result.token_ids,
+                                                    result.kv_connector_output)
         self._inject("update", s)
         outputs = self._process(updates, result.logprobs)
         self._inject("process", s)
@@ -410,7 +444,7 @@ class LLMEngine:
                      sorted(touched)[:8], exc_info=error)
         self._fail_requests(touched, error)
         if s.out is not None and not s.updated:  # every chunk's request was just aborted
-            self.scheduler.update_from_output(s.out, {})
+            self.scheduler.update_from_output(s.out, {}, s.kv_output or _undelivered(s))
         self._draft_probs = {}
         self.last_step = StepInfo()
         try:
@@ -423,7 +457,8 @@ class LLMEngine:
         self._draft_probs = {}
         if not self.scheduler.num_running:
             return
-        running = list(self.scheduler.running)
+        # sequences waiting for their KV (a connector's load) draft nothing until it is in
+        running = [r for r in self.scheduler.running if r.status is RequestStatus.RUNNING]
         constrained = self.structured is not None and any(r.grammar is not None for r in running)
         if self.proposer is None and not constrained:  # an unconstrained batch: nothing to do
             return
@@ -445,6 +480,7 @@ class LLMEngine:
         start = time.perf_counter()
         masks = self.structured.start_masks(out.scheduled) if self.structured else None
         self._inject("forward", s)
+        s.kv_sent = True
         result = self.executor.execute(out, masks, self._draft_probs or None)
         self._inject("sample", s)
         seconds = time.perf_counter() - start
@@ -496,3 +532,18 @@ class LLMEngine:
                 continue
             touched[state.request_id] = state
         return [state.output() for state in touched.values()]
+
+
+def _undelivered(s: _StepState) -> KVConnectorOutput | None:
+    """A step that failed before its KV connector ops reached the workers: its loads and
+    pulls never ran (their requests recompute from their local prefix) and its exposed blocks
+    are nobody's to pull (freed now)."""
+    meta = s.out.kv_connector_metadata if s.out is not None else None
+    if meta is None or s.kv_sent:
+        return None
+    from tokenmill.kv_transfer.base import ExposeBlocks, KVConnectorOutput, LoadBlocks, PullBlocks
+
+    return KVConnectorOutput(
+        finished_sending={op.request_id for op in meta.ops if isinstance(op, ExposeBlocks)},
+        failed_recving={op.request_id: 0 for op in meta.ops
+                        if isinstance(op, LoadBlocks | PullBlocks)})

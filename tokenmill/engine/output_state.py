@@ -93,6 +93,7 @@ class RequestState:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=logprobs,
                 cumulative_logprob=st.cumulative_logprob if logprobs is not None else None))
         finished = all(s.is_finished for s in self.sequences)
+        lead = self.sequences[0]
         return RequestOutput(self.request_id, self.prompt_token_ids, outs, finished=finished,
-                             prompt=self.prompt,
-                             num_cached_tokens=self.sequences[0].num_cached_tokens or 0)
+                             prompt=self.prompt, num_cached_tokens=lead.num_cached_tokens or 0,
+                             kv_transfer_params=lead.kv_transfer_out if finished else None)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenmill.config import EngineConfig, ModelConfig, ParallelConfig
+from tokenmill.config import EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig
 from tokenmill.distributed.layout import ParallelLayout
 from tokenmill.executor.multiproc import DistributedSpec
 from tokenmill.executor.worker import WorkerSpec
@@ -25,6 +25,9 @@ from tokenmill.platform import Machine, choose_dtype, choose_kv_cache_dtype
 from tokenmill.runner.kv_cache import (bytes_per_block, check_kv_cache_dtype,
                                        default_kv_cache_bytes, num_kv_blocks)
 from tokenmill.speculative import layerskip_layers, spec_description
+
+if TYPE_CHECKING:
+    from tokenmill.kv_transfer.factory import KVTransferSpec
 
 
 # the model's shape as the ranks' settings compare it
@@ -73,6 +76,7 @@ class ExecutionPlan:
     max_batched_tokens: int = 2048
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     layout: ParallelLayout = field(default_factory=ParallelLayout)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)  # off by default
 
     @property
     def on_gpu(self) -> bool:
@@ -90,7 +94,16 @@ class ExecutionPlan:
             max_model_len=self.max_model_len, graph_batch=self.graph_batch,
             fuse_cpu_step=fused, governor_threads=self.threads if self.thread_governor else 0,
             planned_cpu_step="off" if self.on_gpu else self.cpu_step,
-            max_batched_tokens=self.max_batched_tokens)
+            max_batched_tokens=self.max_batched_tokens, kv_transfer=self._kv_transfer_spec())
+
+    def _kv_transfer_spec(self) -> KVTransferSpec | None:
+        if not self.kv_transfer.enabled:
+            return None
+        from tokenmill.kv_transfer.factory import KVTransferSpec
+
+        return KVTransferSpec(self.kv_transfer, self.model, self.kv.block_size,
+                              self.attention_backend, self.kv_cache_dtype,
+                              self.linear.quantization)
 
     def distributed_spec(self) -> DistributedSpec:
         """What the multi-process executor starts (``executor/multiproc.py``)."""
@@ -200,13 +213,17 @@ def make_plan(config: EngineConfig, machine: Machine | None = None) -> Execution
         cuda_graphs=_cuda_graphs(config, machine, backend),
         max_num_seqs=config.scheduler.max_num_seqs, speculative=speculative,
         max_batched_tokens=config.scheduler.max_num_batched_tokens, parallel=config.parallel,
-        layout=layout)
+        layout=layout, kv_transfer=config.kv_transfer)
 
 
 def _check_parallel(config: EngineConfig, layout: ParallelLayout) -> None:
     """What the ranks cannot run yet, refused before anything starts."""
     if not config.parallel.distributed:
         return
+    kv = config.kv_transfer
+    if kv.kv_role in ("producer", "both") and not kv.kv_transfer_port:
+        raise ValueError("a producer's ranks listen at --kv-transfer-port + rank, where "
+                         "consumers find them: give a port (--kv-transfer-port)")
     if config.speculative.speculative_method == "layerskip":
         raise ValueError("speculative_method layerskip drafts with the target's own layers in "
                          "the engine's process; with tensor / pipeline parallel ranks use "

@@ -48,6 +48,11 @@ class Executor(ABC):
         """What the workers run as (for the log and ``/server_info``)."""
         return {}
 
+    def kv_connector_info(self) -> dict[str, Any] | None:
+        """What the workers' KV connector side learnt at start-up (block bytes, the side
+        channel's address, blocks on disk) for the scheduler's side; None without one."""
+        return None
+
     def heartbeat_ages(self) -> dict[int, float]:
         """Seconds since each worker rank was last heard from ({}: the workers are in this
         process); any thread may call it."""

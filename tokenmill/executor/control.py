@@ -31,7 +31,7 @@ class Addresses:
 
 @dataclass
 class Message:
-    kind: str  # "step" | "stop" (to a rank); "hello" | "logits" | "error" (from one)
+    kind: str  # "step" | "stop" (to a rank); "hello" | "logits" | "kv" | "error" (from one)
     rank: int = -1
     step: int = -1
     chunks: list[tuple[list[int], int, list[int], int]] | None = None
@@ -39,15 +39,18 @@ class Message:
     info: dict[str, Any] | None = None
     error: str | None = None
     logits: Any = None  # a torch.Tensor, once decoded
+    # KV connector: the step's ops (kv_transfer.base.KVConnectorMetadata) to a rank, what it
+    # finished (KVConnectorOutput) from one
+    kv: Any = None
 
 
-def step(step_id: int, chunks, num_parts: int = 1) -> Message:
+def step(step_id: int, chunks, num_parts: int = 1, kv: Any = None) -> Message:
     """A step's message; with pipeline stages, its chunks split into ``num_parts``
-    micro-batches of about equal tokens (``micro_batches``)."""
+    micro-batches of about equal tokens (``micro_batches``). ``kv``: the KV connector's ops."""
     return Message("step", step=step_id,
                    chunks=[(c.token_ids, c.start_pos, c.block_table, c.num_logits)
                            for c in chunks],
-                   parts=micro_batches([len(c.token_ids) for c in chunks], num_parts))
+                   parts=micro_batches([len(c.token_ids) for c in chunks], num_parts), kv=kv)
 
 
 def micro_batches(tokens: list[int], parts: int) -> list[int]:

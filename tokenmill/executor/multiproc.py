@@ -40,6 +40,7 @@ from tokenmill.executor.worker import WorkerSpec
 if TYPE_CHECKING:
     import torch
 
+    from tokenmill.executor.kv_ranks import RankKVReports
     from tokenmill.runner.rows import RowMasks
     from tokenmill.sched.output import ModelOutput, SchedulerOutput
 
@@ -189,6 +190,13 @@ class MultiprocExecutor(Executor):
         self._hellos: dict[int, dict[str, Any]] = {}
         self._last_beat: dict[int, float] = {}
         self._step = 0
+        self._logits: torch.Tensor | None = None  # of the running step, once a rank sent them
+        self._kv_answers = 0  # ranks that reported the running step's KV connector ops
+        self._kv_reports: RankKVReports | None = None
+        if spec.worker.kv_transfer is not None:
+            from tokenmill.executor.kv_ranks import RankKVReports
+
+            self._kv_reports = RankKVReports(spec.layout.world_size)
         self._closed = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="tokenmill-ranks", daemon=True)
         atexit.register(self.shutdown)  # a script that never calls it still stops its ranks
@@ -227,27 +235,54 @@ class MultiprocExecutor(Executor):
                 draft_probs: Mapping[str, Sequence[object | None]] | None = None
                 ) -> ModelOutput:
         from tokenmill.runner.model_runner import sample_step
+        from tokenmill.sched.output import ModelOutput
 
-        return sample_step(self.sampler, out.scheduled, self.logits(out.scheduled), masks,
-                           draft_probs)
+        if self._kv_reports is None:
+            return sample_step(self.sampler, out.scheduled, self.logits(out.scheduled), masks,
+                               draft_probs)
+        # every rank runs the step's KV ops (its shard) and reports, forward or not
+        logits = self.logits(out.scheduled, out.kv_connector_metadata)
+        self._wait(lambda: self._kv_answers == len(self.ranks))
+        result = sample_step(self.sampler, out.scheduled, logits, masks, draft_probs) \
+            if out.scheduled else ModelOutput()
+        result.kv_connector_output = self._kv_reports.take()
+        return result
 
-    def logits(self, chunks) -> torch.Tensor:
+    def logits(self, chunks, kv: Any = None) -> torch.Tensor | None:
         """One forward of plain chunks (``runner.batch.Chunk``): the logits of their scored
-        positions, as ``ModelRunner.forward`` returns them (``execute`` samples them)."""
+        positions, as ``ModelRunner.forward`` returns them (``execute`` samples them); None
+        for a step of KV connector ops only (``kv``) and no chunks."""
         self.check_health()
         self._step += 1
-        self.link.send_all(self.ranks, control.step(self._step, chunks, self.spec.layout.pp_size))
-        return self._wait_logits(self._step)
+        self._kv_answers = 0
+        self._logits = None
+        self.link.send_all(self.ranks, control.step(self._step, chunks, self.spec.layout.pp_size,
+                                                    kv))
+        if not chunks:
+            return None
+        self._wait(lambda: self._logits is not None)
+        return self._logits
 
-    def _wait_logits(self, step_id: int) -> torch.Tensor:
-        while True:
+    def _wait(self, done) -> None:
+        """Take the ranks' messages until ``done()``: logits and KV reports of this step."""
+        while not done():
             message = self.link.receive(50)
             if message is not None:
-                if message.kind == "logits" and message.step == step_id:
-                    return message.logits
-                if message.kind == "error":
+                if message.kind == "logits" and message.step == self._step:
+                    self._logits = message.logits
+                elif message.kind == "kv" and message.step == self._step:
+                    self._kv_reports.add(message.rank, message.kv)
+                    self._kv_answers += 1
+                elif message.kind == "error":
                     self._rank_failed(message)
             self.check_health()
+
+    def kv_connector_info(self) -> dict[str, Any] | None:
+        if self._kv_reports is None:
+            return None
+        from tokenmill.executor.kv_ranks import merge_connector_info
+
+        return merge_connector_info([self._hellos[r]["kv_connector"] for r in self.ranks])
 
     # ----- health -----------------------------------------------------------------------------
 

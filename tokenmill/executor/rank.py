@@ -31,6 +31,9 @@ from tokenmill.executor.worker import WorkerSpec
 
 logger = logging.getLogger("tokenmill.executor")
 
+# How long a step with no forward (the engine only polls the KV connector) waits for a load
+_IDLE_POLL_SECONDS = 0.005
+
 
 @dataclass(frozen=True)
 class RankInit:
@@ -114,7 +117,15 @@ def _hello_info(init: RankInit, worker, comm) -> dict[str, Any]:
             "all_reduce": "none" if comm.tp_group is None else
             "shared memory" if comm.shm is not None else "gloo" if init.spec.device == "cpu"
             else "nccl",
-            "layers": _layer_span(init)}
+            "layers": _layer_span(init), "kv_connector": _connector_info(init, worker)}
+
+
+def _connector_info(init: RankInit, worker) -> dict[str, Any] | None:
+    if worker.connector is None:
+        return None
+    from tokenmill.kv_transfer.factory import worker_connector_info
+
+    return worker_connector_info(worker.connector, init.spec.kv_transfer.config)
 
 
 def _layer_span(init: RankInit) -> list[int]:
@@ -125,14 +136,24 @@ def _layer_span(init: RankInit) -> list[int]:
 def _serve(init: RankInit, link: control.WorkerLink, worker, comm) -> None:
     import torch
 
+    connector = worker.connector
     while True:
         message = link.receive()
         if message.kind == "stop":
+            if connector is not None:  # pending disk writes are finished first
+                connector.shutdown()
             return
-        with torch.inference_mode():
-            logits = _run_step(init, worker.runner, comm, message)
+        if connector is not None:  # saves copy their blocks out before the forward
+            connector.start_step(message.kv)
+        logits = None
+        if message.chunks:
+            with torch.inference_mode():
+                logits = _run_step(init, worker.runner, comm, message)
         if logits is not None:
             link.send_logits(message.step, logits)
+        if connector is not None:  # every step, so the engine knows when all ranks answered
+            report = connector.get_finished(wait=0.0 if message.chunks else _IDLE_POLL_SECONDS)
+            link.send(control.Message("kv", rank=init.rank, step=message.step, kv=report))
 
 
 def _run_step(init: RankInit, runner, comm, message: control.Message):

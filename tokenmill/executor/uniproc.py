@@ -8,19 +8,29 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.executor.base import Executor, ExecutorError
 from tokenmill.executor.worker import Worker, WorkerSpec, build_worker
 
+from tokenmill.sched.output import ModelOutput
+
 if TYPE_CHECKING:
+    from tokenmill.kv_transfer.worker import ConnectorWorker
     from tokenmill.runner.model_runner import ModelRunner
     from tokenmill.runner.rows import RowMasks
-    from tokenmill.sched.output import ModelOutput, SchedulerOutput
+    from tokenmill.sched.output import SchedulerOutput
+
+# How long a step with no forward (only loads in flight) waits for one to finish
+_IDLE_POLL_SECONDS = 0.005
 
 
 class UniProcExecutor(Executor):
     """Runs every step on ``worker``, in the calling thread."""
 
-    def __init__(self, worker: ModelRunner, details: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, worker: ModelRunner, details: Mapping[str, Any] | None = None,
+                 connector: ConnectorWorker | None = None,
+                 connector_info: Mapping[str, Any] | None = None) -> None:
         self.worker: ModelRunner | None = worker
         self._capacity = worker.num_blocks
         self._details = dict(details or {})
+        self.connector = connector
+        self._connector_info = dict(connector_info) if connector_info is not None else None
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec) -> tuple[UniProcExecutor, Worker]:
@@ -30,14 +40,31 @@ class UniProcExecutor(Executor):
         details = {"cpu_step": worker.cpu_step,
                    "cuda_graphs": worker.runner.graphs_description(),
                    "quantization": worker.loaded.quantization}
-        return cls(worker.runner, details), worker
+        info = None
+        if worker.connector is not None:
+            from tokenmill.kv_transfer.factory import worker_connector_info
+
+            info = worker_connector_info(worker.connector, spec.kv_transfer.config)
+        return cls(worker.runner, details, worker.connector, info), worker
 
     def execute(self, out: SchedulerOutput, masks: RowMasks | None = None,
                 draft_probs: Mapping[str, Sequence[object | None]] | None = None
                 ) -> ModelOutput:
         if self.worker is None:
             raise ExecutorError("the executor was shut down")
-        return self.worker.execute(out.scheduled, masks, draft_probs)
+        if self.connector is None:
+            return self.worker.execute(out.scheduled, masks, draft_probs)
+        # saves copy their blocks out before the forward can overwrite them
+        self.connector.start_step(out.kv_connector_metadata)
+        result = self.worker.execute(out.scheduled, masks, draft_probs) if out.scheduled \
+            else ModelOutput()
+        # a step that only waits for loads polls briefly rather than spin the loop
+        result.kv_connector_output = self.connector.get_finished(
+            wait=0.0 if out.scheduled else _IDLE_POLL_SECONDS)
+        return result
+
+    def kv_connector_info(self) -> dict[str, Any] | None:
+        return self._connector_info
 
     @property
     def kv_capacity(self) -> int:
@@ -49,6 +76,8 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         self.worker = None  # the model and its KV cache go with the last reference
+        if self.connector is not None:
+            self.connector.shutdown()
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "in-process", "workers": 1, **self._details}

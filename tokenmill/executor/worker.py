@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tokenmill.distributed.groups import Comm
     from tokenmill.distributed.layout import RankPosition
+    from tokenmill.kv_transfer.factory import KVTransferSpec
+    from tokenmill.kv_transfer.worker import ConnectorWorker
     from tokenmill.model.linear.plan import LinearPlan
     from tokenmill.model.loader import LoadedModel
     from tokenmill.runner.model_runner import ModelRunner
@@ -37,6 +39,7 @@ class WorkerSpec:
     governor_threads: int = 0  # a ThreadGovernor over this many threads (0: none)
     planned_cpu_step: str = "off"  # what the plan said of the CPU step, reported when unfused
     max_batched_tokens: int = 2048  # the scheduler's token budget of a step
+    kv_transfer: KVTransferSpec | None = None  # a KV connector's worker side (None: off)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Worker:
     runner: ModelRunner
     loaded: LoadedModel
     cpu_step: str  # what runs: "fused ...", "eager: <why>", or "off" on a GPU
+    connector: ConnectorWorker | None = None  # moves KV blocks in and out (kv_transfer/)
 
 
 def build_worker(spec: WorkerSpec, position: RankPosition | None = None,
@@ -61,7 +65,14 @@ def build_worker(spec: WorkerSpec, position: RankPosition | None = None,
     release_gguf()  # the weights are in: the file's parsed index is not needed any more
     runner = ModelRunner(loaded, _num_blocks(spec, loaded), spec.block_size, spec.device,
                          spec.kv_cache_dtype)
-    return Worker(runner, loaded, _set_up_step(spec, runner, comm))
+    connector = None
+    if spec.kv_transfer is not None:
+        from tokenmill.kv_transfer.factory import build_worker_connector
+
+        rank, world = (0, 1) if position is None else (position.rank,
+                                                         position.layout.world_size)
+        connector = build_worker_connector(spec.kv_transfer, runner.kv_caches, rank, world)
+    return Worker(runner, loaded, _set_up_step(spec, runner, comm), connector)
 
 
 def _num_blocks(spec: WorkerSpec, loaded: LoadedModel) -> int:

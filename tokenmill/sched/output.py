@@ -16,11 +16,15 @@ The step contract::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from tokenmill.request import Request
+
+if TYPE_CHECKING:  # the types only: the connector's package may grow heavier imports
+    from tokenmill.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs 4x, per sequence per step
@@ -60,6 +64,24 @@ class ModelOutput:
 
     token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Sequence[object | None]] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None  # the KV connector's workers' report
+
+
+# What a step sampled, as the scheduler takes it: ``ModelOutput.token_ids``, or one token id
+# per sequence.
+Sampled = Mapping[str, int | Sequence[int]]
+
+
+def sampled_tokens(chunk: ScheduledChunk, sampled: Sampled) -> list[int]:
+    """The chunk's accepted tokens as Python ints; ValueError when there are none."""
+    value = sampled.get(chunk.request_id)
+    if value is None:
+        raise ValueError(f"no sampled token for {chunk.request_id!r}, whose chunk asked for one")
+    # operator.index also accepts numpy / 0-d tensor ints and turns them into Python ints.
+    tokens = list(value) if isinstance(value, Sequence) else [operator.index(value)]
+    if not tokens:
+        raise ValueError(f"empty sampled token list for {chunk.request_id!r}")
+    return tokens
 
 
 def num_matching_drafts(drafts: Sequence[int], tokens: Sequence[int]) -> int:
@@ -79,6 +101,9 @@ class SchedulerOutput:
     num_batched_tokens: int
     preempted_ids: list[str]  # sequences preempted by this step (informational for the runner)
     finished_ids: list[str]  # sequences finished or aborted since the previous step
+    # The KV connector's ops for this step (saves, loads, pulls, exposes), for every worker;
+    # present even when no chunk is scheduled (a step may only move KV).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -119,6 +144,9 @@ class SchedulerStats:
     num_accepted_tokens: int = 0  # of those, accepted
     num_blocks: int = 0  # usable KV blocks
     num_cached_blocks: int = 0  # blocks the prefix cache holds (in use or evictable)
+    num_loading: int = 0  # of num_running, the sequences waiting for a KV connector's load
+    num_held: int = 0  # finished sequences whose blocks wait for a consumer to pull them
+    external_cache_hits: int = 0  # tokens a KV connector filled at admission, total
 
     @property
     def prefix_cache_hit_rate(self) -> float:

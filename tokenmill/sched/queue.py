@@ -28,6 +28,9 @@ class RequestQueue:
     def __iter__(self) -> Iterator[Request]:
         return iter(self._requests)
 
+    def __reversed__(self) -> Iterator[Request]:
+        return reversed(self._requests)
+
     def push(self, request: Request) -> None:
         key = self._key(request)
         i = bisect_right(self._keys, key)

@@ -56,21 +56,26 @@ is later prefilled again over prompt + generated tokens.
 Waiting sequences never hold blocks, so a sequence alone in an empty cache always fits (requests
 that could not are rejected by ``add_request``) and the most important running sequence always
 makes progress: no deadlock.
+
+A KV connector (``kv_remote.py``) may fill tokens past the cached prefix at admission (another
+instance's prefill, an offload tier): the sequence waits in ``running`` for the load, neither
+scheduled nor preempted. Finished sequences' blocks may stay held for a consumer to pull.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from tokenmill.cache import CacheIntegrityError, KVBlockManager
 from tokenmill.cache.radix import NullPrefixCache
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.request import FinishReason, Request, RequestStatus, check_prompt, sequence_id
-from tokenmill.sched.output import (ScheduledChunk, SchedulerOutput, SchedulerStats, SeqUpdate,
-                                    num_matching_drafts)
+from tokenmill.sched.kv_remote import RemoteKV
+from tokenmill.sched.output import (Sampled, ScheduledChunk, SchedulerOutput, SchedulerStats,
+                                    SeqUpdate, num_matching_drafts, sampled_tokens)
 from tokenmill.sched.policy import (LPM_MAX_WAITING, get_policy, is_prefix_aware,
                                     longest_prefix_first)
 from tokenmill.sched.queue import RequestQueue
@@ -78,22 +83,25 @@ from tokenmill.sched.shared_prefill import PrefillHolds
 from tokenmill.sched.step_batch import Planned, StepBatch
 from tokenmill.util import cdiv
 
+if TYPE_CHECKING:
+    from tokenmill.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
+
 # Blocks of prompt two requests must share for the later one to wait for the earlier one's
 # prefill rather than compute them too (128 tokens at block size 16: a system prompt's worth;
 # a shared chat-template header alone is not worth a step's wait).
 SHARED_PREFIX_BLOCKS = 8
 
-Sampled = Mapping[str, int | Sequence[int]]
-
 
 class Scheduler:
     """Owns the waiting and running queues and the KV block manager (built from ``cache_config``
     and ``num_blocks`` unless one is given). ``eos_token_ids`` are the model's; a request may
-    override them with its own ``eos_token_ids``."""
+    override them with its own ``eos_token_ids``. ``connector``: a KV connector's scheduler
+    side, or None (nothing of it is then done, per step or per sequence)."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
                  num_blocks: int | None = None, block_manager: KVBlockManager | None = None,
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (),
+                 connector: KVConnectorScheduler | None = None) -> None:
         _check_config(scheduler_config)
         self.config = scheduler_config
         self.block_manager = block_manager or _make_block_manager(cache_config, num_blocks)
@@ -121,6 +129,8 @@ class Scheduler:
         self._num_steps = 0
         self._overhead_s = 0.0
         self._last_step = (0, 0)  # (batched tokens, scheduled sequences)
+        self.connector = connector
+        self.remote_kv = None if connector is None else RemoteKV(connector, self.block_manager)
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -178,6 +188,12 @@ class Scheduler:
         return bool(self._live)
 
     @property
+    def has_pending_kv_work(self) -> bool:
+        """The KV connector has ops queued, loads running or blocks held: the engine polls its
+        workers even when no sequence is left to schedule."""
+        return self.remote_kv is not None and self.remote_kv.has_pending_work
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
@@ -211,7 +227,8 @@ class Scheduler:
             prefix_cache_hits=self.prefix_cache_hits, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
             num_blocks=self.block_manager.pool.num_usable_blocks,
-            num_cached_blocks=self.block_manager.prefix_cache.num_cached_blocks)
+            num_cached_blocks=self.block_manager.prefix_cache.num_cached_blocks,
+            **(self.remote_kv.counters() if self.remote_kv is not None else {}))
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix no sequence uses; returns the number of blocks dropped."""
@@ -239,11 +256,12 @@ class Scheduler:
         self._unapplied = output
         return output
 
-    def update_from_output(self, output: SchedulerOutput, sampled: Sampled) -> list[SeqUpdate]:
-        """Append the accepted tokens of every chunk that asked for logits, check the stop
-        conditions that need no text token by token, roll back the KV of rejected drafts,
-        share newly computed full blocks with the prefix cache, and free finished sequences'
-        blocks at once.
+    def update_from_output(self, output: SchedulerOutput, sampled: Sampled,
+                           kv_output: KVConnectorOutput | None = None) -> list[SeqUpdate]:
+        """Apply what the KV connector's workers finished (``kv_output``), then append the
+        accepted tokens of every chunk that asked for logits, check the stop conditions that
+        need no text token by token, roll back the KV of rejected drafts, share newly computed
+        full blocks with the prefix cache, and free finished sequences' blocks at once.
 
         ``sampled`` maps a sequence id to one token id or a list of (Python int) token ids
         (``ModelOutput.token_ids``). Chunks of sequences aborted or finished since
@@ -254,12 +272,15 @@ class Scheduler:
             raise ValueError("update_from_output() takes the latest schedule() output, once")
         self._unapplied = None
         start = time.perf_counter()
+        chunks = output.scheduled
+        if self.remote_kv is not None:
+            chunks = self.remote_kv.update(kv_output, chunks)
         updates = []
-        for chunk in output.scheduled:
+        for chunk in chunks:
             if chunk.request.status is not RequestStatus.RUNNING:
                 continue
             if chunk.num_logits:
-                updates.append(self._apply_tokens(chunk, _sampled_for(chunk, sampled)))
+                updates.append(self._apply_tokens(chunk, sampled_tokens(chunk, sampled)))
             else:  # prefill KV just written: share it with newcomers now
                 self.block_manager.cache_computed(chunk.request)
         self._overhead_s += time.perf_counter() - start
@@ -287,7 +308,9 @@ class Scheduler:
         if not (drafts and self.block_manager.allocate_slots(request, num_new + drafts)):
             drafts = 0
             while not self.block_manager.allocate_slots(request, num_new):
-                victim = self.running.last()  # the policy's least important, maybe `request`
+                # the policy's least important, maybe `request`; never a loading one
+                victim = next(r for r in reversed(self.running)
+                              if r.status is RequestStatus.RUNNING)
                 self._preempt(victim, batch)
                 if victim is request:
                     return
@@ -334,22 +357,29 @@ class Scheduler:
         manager = self.block_manager
         cached = manager.acquire_cached_prefix(request)
         request.num_computed_tokens = cached
-        num_new = min(_remaining(request), batch.tokens_left)
+        kv = self.remote_kv
+        ext, is_async = kv.num_external(request, cached) if kv is not None else (0, False)
+        # An async load runs while others do: it takes no budget this step.
+        num_new = 0 if is_async else min(_remaining(request) - ext, batch.tokens_left)
         # The watermark keeps room for running sequences to grow; with none running there
         # is nobody to keep room for, and insisting could starve a very long request.
-        if not (manager.can_allocate(request, num_new, watermark=bool(self.running))
-                and manager.allocate_slots(request, num_new)):
+        if not (manager.can_allocate(request, ext + num_new, watermark=bool(self.running))
+                and manager.allocate_slots(request, ext + num_new)):
             manager.free(request)  # gives the cached prefix back
             request.num_computed_tokens = 0
             return False
         self.waiting.remove(request)
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += cached
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = cached
+        first = request.num_cached_tokens is None
+        if first:
+            request.num_cached_tokens = cached + ext
         request.status = RequestStatus.RUNNING
         self.running.push(request)
-        batch.add(request, num_new)
+        if ext:
+            kv.start_load(request, cached, ext, is_async, first)
+        if not is_async:
+            batch.add(request, num_new)
         return True
 
     def _preempt(self, request: Request, batch: StepBatch) -> None:
@@ -366,8 +396,9 @@ class Scheduler:
 
     def _build_output(self, batch: StepBatch) -> SchedulerOutput:
         chunks = [self._chunk(planned) for planned in batch.chunks.values()]
+        meta = None if self.connector is None else self.connector.build_connector_meta()
         return SchedulerOutput(chunks, batch.token_budget - batch.tokens_left,
-                               batch.preempted_ids, self.take_finished_ids())
+                               batch.preempted_ids, self.take_finished_ids(), meta)
 
     def take_finished_ids(self) -> list[str]:
         """The sequences finished or aborted since the last call (``schedule`` calls it too):
@@ -397,7 +428,8 @@ class Scheduler:
     def _fork_shared_prompts(self, batch: StepBatch) -> None:
         for request, start, num_tokens, _ in batch.chunks.values():
             siblings = self._pending_forks.get(request.request_id)
-            if siblings and start + num_tokens >= self._shared_prefix_len(request):
+            if siblings and start + num_tokens >= self._shared_prefix_len(request) and (
+                    self.remote_kv is None or not self.remote_kv.fills_now(request.request_id)):
                 del self._pending_forks[request.request_id]
                 self._start_siblings(request, siblings)
 
@@ -462,11 +494,13 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus,
                 stop_reason: int | str | None = None) -> None:
         self._detach(request)
-        # An aborted sequence's last scheduled step may never have run: cache none of its KV.
-        cacheable = 0 if status is RequestStatus.FINISHED_ABORTED else request.num_computed_tokens
-        self.block_manager.free(request, cacheable)
         request.status = status
         request.stop_reason = stop_reason
+        if self.remote_kv is None or not self.remote_kv.finish(request):
+            # An aborted sequence's last scheduled step may never have run: cache none of its KV.
+            cacheable = 0 if status is RequestStatus.FINISHED_ABORTED \
+                else request.num_computed_tokens
+            self.block_manager.free(request, cacheable)
         self._finished_ids.append(request.request_id)
         del self._live[request.request_id]
         for seq in self._pending_forks.pop(request.request_id, []):
@@ -477,7 +511,7 @@ class Scheduler:
 
     def _detach(self, request: Request) -> None:
         """Take an unfinished sequence out of whichever queue holds it."""
-        if request.status is RequestStatus.RUNNING:
+        if request.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS):
             self.running.remove(request)
         elif not self.waiting.remove(request):
             leader_id = sequence_id(request.group_id, 0)
@@ -487,7 +521,8 @@ class Scheduler:
 
     def _check_new(self, request: Request, sequences: list[Request]) -> None:
         ids = {request.request_id, *(seq.request_id for seq in sequences)}
-        if any(i in self._live or i in self._groups for i in ids):
+        if any(i in self._live or i in self._groups for i in ids) or (
+                self.remote_kv is not None and self.remote_kv.owns_any(ids)):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_output_tokens or request.num_computed_tokens or request.is_finished:
             raise ValueError(f"request {request.request_id!r} was already run; add a fresh one")
@@ -509,15 +544,19 @@ class Scheduler:
                 "max_tokens or give the KV cache more memory")
 
     def check_integrity(self) -> None:
-        """Cache invariants plus: only running sequences hold blocks, exactly the blocks their
-        computed tokens need; queues and counts agree. O(blocks + requests): tests only."""
+        """Cache invariants plus: only running sequences (loading ones included) hold blocks,
+        exactly the blocks their computed tokens need, and ended ones the KV connector keeps;
+        queues and counts agree. O(blocks + requests): tests only."""
         self.block_manager.check_integrity()
         running = list(self.running)
         _require(len(running) <= self.config.max_num_seqs, "more running than max_num_seqs")
-        _require(set(self.block_manager.owners()) <= {r.request_id for r in running},
+        ended = set() if self.remote_kv is None else \
+            self.remote_kv.check_integrity(running, self._live)
+        _require(set(self.block_manager.owners()) <= {r.request_id for r in running} | ended,
                  "a sequence that is not running holds blocks")
-        for r in running:
-            _require(r.status is RequestStatus.RUNNING, f"{r.request_id} in running is {r.status}")
+        for r in running:  # a loading one is checked by remote_kv
+            _require(r.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS),
+                     f"{r.request_id} in running is {r.status}")
             # After an update KV exists only for verified tokens, and never for the newest one.
             _require(self._unapplied is not None or r.num_computed_tokens < r.num_tokens,
                      f"{r.request_id} has KV for {r.num_computed_tokens} of {r.num_tokens} tokens")
@@ -533,17 +572,6 @@ class Scheduler:
 
 def _remaining(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
-
-
-def _sampled_for(chunk: ScheduledChunk, sampled: Sampled) -> list[int]:
-    value = sampled.get(chunk.request_id)
-    if value is None:
-        raise ValueError(f"no sampled token for {chunk.request_id!r}, whose chunk asked for one")
-    # operator.index also accepts numpy / 0-d tensor ints and turns them into Python ints.
-    tokens = list(value) if isinstance(value, Sequence) else [operator.index(value)]
-    if not tokens:
-        raise ValueError(f"empty sampled token list for {chunk.request_id!r}")
-    return tokens
 
 
 def _require(ok: bool, message: str) -> None:

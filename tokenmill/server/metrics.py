@@ -42,6 +42,10 @@ class ServerMetrics:
               "cached and evictable).", lambda s: s.stats.num_free_blocks)
         gauge("prefix_cache_blocks", "KV cache blocks the prefix cache holds (in use or "
               "evictable).", lambda s: s.stats.num_cached_blocks)
+        gauge("num_requests_loading_kv", "Requests waiting for their KV from a tier or a "
+              "prefill instance.", lambda s: s.stats.num_loading)
+        gauge("kv_held_requests", "Finished prefills whose KV blocks wait for a decode "
+              "instance to pull them.", lambda s: s.stats.num_held)
 
         def counter(name: str, doc: str, labels=lab):
             return Counter(f"tokenmill:{name}", doc, labels, registry=r)
@@ -126,6 +130,21 @@ class _EngineCounters:
          "alongside the forward.", "grammar_mask_seconds"),
         ("grammar_mask_steps", "Steps that filled token masks (mask seconds per step = "
          "grammar_mask_seconds / grammar_mask_steps).", "num_grammar_mask_steps"),
+        ("prompt_tokens_computed", "Prompt tokens run through the model (prefix-cache and KV "
+         "connector hits skip it).", "num_prompt_tokens_computed"),
+        ("external_prefix_cache_hits", "Prompt tokens whose KV a KV connector filled: "
+         "offload tiers, or pulled from a prefill instance.", "external_cache_hits"),
+    )
+
+    # per KV tier or transfer (--kv-offload host / disk, --kv-role: p2p), labelled by tier
+    _TIER_COUNTERS = (
+        ("kv_tier_hits", "KV blocks loaded from the tier.", "hits"),
+        ("kv_tier_misses", "KV blocks asked of the tier and not loaded (absent, failed "
+         "their check, or a transfer cut).", "misses"),
+        ("kv_tier_blocks_saved", "KV blocks written to the tier.", "blocks_saved"),
+        ("kv_tier_bytes_loaded", "Bytes loaded from the tier.", "bytes_loaded"),
+        ("kv_tier_bytes_saved", "Bytes written to the tier.", "bytes_saved"),
+        ("kv_tier_load_seconds", "Time spent loading from the tier.", "load_seconds"),
     )
 
     # speculative decoding (exported when it is on), vLLM's spec_decode names
@@ -152,6 +171,21 @@ class _EngineCounters:
             gauge.add_metric([*model, str(rank)], age)
         yield gauge
 
+    def _tiers(self, stats, model: list[str]):
+        labels = ["model_name", "tier"]
+        for name, doc, field in self._TIER_COUNTERS:
+            family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            for tier, counts in stats.kv_tiers.items():
+                family.add_metric([*model, tier], getattr(counts, field))
+            yield family
+        for name, doc, field in (("kv_tier_blocks", "KV blocks the tier holds.",
+                                  "stored_blocks"),
+                                 ("kv_tier_bytes", "Bytes the tier holds.", "stored_bytes")):
+            gauge = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            for tier, counts in stats.kv_tiers.items():
+                gauge.add_metric([*model, tier], getattr(counts, field))
+            yield gauge
+
     def collect(self):
         engine = self._metrics._engine
         stats = engine.snapshot.stats if engine is not None else None
@@ -161,6 +195,8 @@ class _EngineCounters:
             family.add_metric(model, getattr(stats, field) if stats is not None else 0.0)
             yield family
         yield from self._ranks(engine, model)
+        if stats is not None and stats.kv_tiers:
+            yield from self._tiers(stats, model)
         spec = stats.spec if stats is not None else None
         if spec is None:
             return

@@ -1,0 +1,91 @@
+"""KV connectors under tensor parallelism, on the tiny random model of test_distributed.py: each
+rank moves its own shard of every block (its KV heads) and the engine hears of a load once
+every rank is done. Float32, where two ranks give one process's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_distributed import write_tiny_llama
+from tests.test_server_support import free_port
+from tokenmill import SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+
+# loads the real model or starts servers / ranks: not in the fast loop
+pytestmark = pytest.mark.slow
+
+BASE = dict(dtype="float32", block_size=4, max_model_len=128, num_blocks=64,
+            tensor_parallel_size=2)
+PROMPT = list(b"The lighthouse keeper found a bottle between the rocks.")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny_tp"), 4))
+
+
+def _engine(model: str, **options) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig.from_options(model, **BASE, **options))
+
+
+def _generate(engine: LLMEngine, request_id: str, params: SamplingParams = GREEDY,
+              kv_transfer_params: dict | None = None):
+    engine.add_request(request_id, PROMPT, params, kv_transfer_params=kv_transfer_params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    engine.step()  # hands what the finish decided (a producer's exposed blocks) to the ranks
+    return final
+
+
+def test_the_disk_tier_under_tensor_parallel_ranks(tiny, tmp_path):
+    engine = _engine(tiny, kv_offload="disk", kv_offload_size=16 << 20,
+                     kv_offload_dir=str(tmp_path))
+    try:
+        first = _generate(engine, "a")
+        from_radix = _generate(engine, "b")
+        engine.flush_prefix_cache()
+        computed = engine.stats().num_prompt_tokens_computed
+        from_disk = _generate(engine, "c")
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    cacheable = (len(PROMPT) - 1) // 4 * 4
+    assert from_radix.num_cached_tokens == from_disk.num_cached_tokens == cacheable
+    assert from_disk.outputs[0].token_ids == from_radix.outputs[0].token_ids \
+        == first.outputs[0].token_ids
+    assert stats.num_prompt_tokens_computed - computed == len(PROMPT) - cacheable
+    assert stats.kv_tiers["disk"].hits == 2 * cacheable // 4  # each rank its shard
+    shards = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert len(shards) == 2  # one fingerprint (directory) per rank
+
+
+def test_prefill_and_decode_instances_with_two_ranks_each(tiny):
+    producer = _engine(tiny, kv_role="producer", kv_transfer_port=free_port())
+    consumer = _engine(tiny, kv_role="consumer")
+    try:
+        reference = _generate(producer, "whole")
+        hand_over = _generate(producer, "prefill", SamplingParams(temperature=0.0, max_tokens=1),
+                              {"do_remote_decode": True})
+        params = hand_over.kv_transfer_params
+        assert params["tp_size"] == 2 and params["do_remote_prefill"]
+        computed = consumer.stats().num_prompt_tokens_computed
+        decoded = _generate(consumer, "decode", kv_transfer_params=params)
+        stats = consumer.stats()
+        for _ in range(200):  # the producer frees the blocks once both ranks were pulled
+            if not producer.has_pending_work():
+                break
+            producer.step()
+        held = producer.stats().num_held
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+    assert decoded.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert stats.num_prompt_tokens_computed - computed == 1
+    assert stats.external_cache_hits == len(PROMPT) - 1
+    assert stats.kv_tiers["p2p"].hits == 2 * -(-(len(PROMPT) - 1) // 4)  # both ranks' shards
+    assert held == 0
