@@ -242,6 +242,8 @@ def chat_rows() -> list[Row]:
         Row("chat", "chat_template", TEMPLATE),
         Row("chat", "chat_template_kwargs", {"pre": FRENCH}, base={"chat_template": TEMPLATE}),
         Row("chat", "best_of", 3, refused),  # only best_of == n
+        # this server has no KV connector (--kv-role): the hand-over cannot happen
+        Row("chat", "kv_transfer_params", {"do_remote_decode": True}, refused),
         Row("chat", "tools", [WEATHER_CHAT]),
         Row("chat", "tool_choice", "required", base={"tools": [WEATHER_CHAT]}),
         Row("chat", "parallel_tool_calls", False, base=calls),
@@ -264,6 +266,7 @@ def completion_rows() -> list[Row]:
         Row("completions", "echo", True, refused, base={"logprobs": 1}),
         Row("completions", "suffix", " the end.", refused),  # SmolLM2 has no FIM tokens
         Row("completions", "best_of", 3, refused),
+        Row("completions", "kv_transfer_params", {"do_remote_decode": True}, refused),
         Row("completions", "stream_options", {"include_usage": True}, base={"stream": True}),
         Row("completions", "response_format", loose,
             base={"response_format": strict, "max_tokens": 12}),

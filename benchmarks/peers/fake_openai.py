@@ -3,6 +3,7 @@ foreign server" (vLLM, SGLang, llama.cpp) in router tests and the router's overh
 
     python benchmarks/peers/fake_openai.py --port 8100 [--model fake] [--token-delay-s 0.01]
         [--fail-mode 503|500|drop_mid_stream] [--fail-after N] [--fail-count K]
+        [--kv-role producer|consumer]
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (streaming or not, ``n``
 choices, ``usage``), ``/health``, plus ``GET /stats`` (requests seen, in flight) and ``POST
@@ -12,6 +13,14 @@ heal it). ``/tokenize`` is deliberately absent: a router must not assume tokenmi
 The text is a function of the prompt and the choice index (a hash seeds the words), so two
 servers given the same request answer the same, and a test can tell choices apart. One "token"
 is one word; ``usage`` counts words of the prompt and exactly ``max_tokens`` completion words.
+
+``--kv-role`` plays one side of vLLM's prefill/decode protocol (``kv_transfer_params``) for
+the router's PD mode: a ``producer`` answers a request asking ``do_remote_decode`` with the
+params a decode instance would pull its blocks with; a ``consumer`` checks the params it is
+given look like a producer's (400 naming ``kv_transfer_params`` if not, and for a request
+asking it to produce) and counts the hand-offs. Without a role the field is ignored, as a
+server without a KV connector may. Every generation body is kept (``state.received``, ``GET
+/fake/received``) so a test can see what the router sent.
 
 In a test: ``srv = start_fake(model="m", fail_mode="503"); ...; srv.close()``.
 """
@@ -35,6 +44,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 FAIL_MODES = (None, "503", "500", "drop_mid_stream")
+KV_ROLES = (None, "producer", "consumer")
+_KEPT_BODIES = 256  # generation bodies kept for tests, the oldest dropped first
+_FAKE_BLOCK = 16  # "tokens" (words) per block in a producer's block ids
 _WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
           "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
           "zulu").split()
@@ -51,10 +63,13 @@ class FakeState:
     fail_after: int = 0  # generation requests served normally before failures start
     fail_count: int | None = None  # failures before it heals again (None: for ever)
     healthy: bool = True  # what /health answers, independent of fail_mode
+    kv_role: str | None = None  # None | "producer" | "consumer"
     requests: int = 0
     in_flight: int = 0
     failed: int = 0
     failed_in_mode: int = 0  # failures since fail_mode was last set (counted against fail_count)
+    handoffs: int = 0  # consumer: requests that came with a producer's kv_transfer_params
+    received: list[dict] = field(default_factory=list, repr=False)  # generation bodies
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def configure(self, **opts: object) -> None:
@@ -67,6 +82,8 @@ class FakeState:
                 setattr(self, key, value)
             if self.fail_mode not in FAIL_MODES:
                 raise ValueError(f"fail_mode must be one of {FAIL_MODES}, not {self.fail_mode!r}")
+            if self.kv_role not in KV_ROLES:
+                raise ValueError(f"kv_role must be one of {KV_ROLES}, not {self.kv_role!r}")
             if "fail_mode" in opts:
                 self.failed_in_mode = 0
                 if "fail_after" not in opts:
@@ -84,7 +101,14 @@ class FakeState:
             return None
 
 
-_OPTION_KEYS = ("model", "token_delay_s", "fail_mode", "fail_after", "fail_count", "healthy")
+    def keep(self, body: dict) -> None:
+        with self.lock:
+            self.received.append(body)
+            del self.received[:-_KEPT_BODIES]
+
+
+_OPTION_KEYS = ("model", "token_delay_s", "fail_mode", "fail_after", "fail_count", "healthy",
+                "kv_role")
 
 
 class _DropConnection(Exception):
@@ -106,8 +130,9 @@ def _is_drop(exc: BaseException | None) -> bool:
     return bool(inner) and all(_is_drop(e) for e in inner)
 
 
-def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None,
+           param: str | None = None) -> Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -238,6 +263,43 @@ async def _dropped_json(job: _Job, state: FakeState) -> AsyncIterator[bytes]:
         state.in_flight -= 1
 
 
+_HANDOFF_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host",
+                 "remote_port")
+
+
+def _kv_refusal(body: dict, state: FakeState) -> str | None:
+    """Why this fake cannot take the request's ``kv_transfer_params`` (None: it can)."""
+    params = body.get("kv_transfer_params")
+    if params is None or state.kv_role is None:
+        return None
+    if not isinstance(params, dict):
+        return "kv_transfer_params: must be an object"
+    if params.get("do_remote_decode"):
+        if state.kv_role == "consumer":
+            return "kv_transfer_params: a consumer does not prefill for another instance"
+        return None
+    if params.get("do_remote_prefill") and state.kv_role == "consumer":
+        missing = [k for k in _HANDOFF_KEYS if params.get(k) is None]
+        if missing or not isinstance(params["remote_block_ids"], list):
+            return f"kv_transfer_params: not a producer's hand-off (missing {missing})"
+        with state.lock:
+            state.handoffs += 1
+    return None
+
+
+def _handoff(job: _Job, body: dict, state: FakeState, port: int) -> dict | None:
+    """A producer's answer to ``do_remote_decode``: where a consumer pulls the blocks."""
+    params = body.get("kv_transfer_params")
+    if state.kv_role != "producer" or not isinstance(params, dict) \
+            or not params.get("do_remote_decode"):
+        return None
+    blocks = -(-job.prompt_tokens // _FAKE_BLOCK)
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": f"fake-{port}", "remote_request_id": job.rid,
+            "remote_block_ids": list(range(1, blocks + 1)), "remote_host": "127.0.0.1",
+            "remote_port": port, "tp_size": 1}
+
+
 async def _generate(request: Request, state: FakeState, chat: bool) -> Response:
     try:
         body = await request.json()
@@ -248,6 +310,10 @@ async def _generate(request: Request, state: FakeState, chat: bool) -> Response:
         return _error(400, str(e), "invalid_request_error")
     if body.get("model") not in (None, state.model):
         return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+    state.keep(body)
+    refusal = _kv_refusal(body, state)
+    if refusal is not None:
+        return _error(400, refusal, "invalid_request_error", param="kv_transfer_params")
     failure = state.admit()
     if failure == "503":
         return _error(503, "the server is busy: queue full", "server_busy", {"Retry-After": "1"})
@@ -263,7 +329,11 @@ async def _generate(request: Request, state: FakeState, chat: bool) -> Response:
         if state.token_delay_s:
             await asyncio.sleep(state.token_delay_s * job.max_tokens)
         choices = [_full_choice(job, i) for i in range(job.n)]
-        return JSONResponse({**_envelope(job, state.model, choices), "usage": job.usage()})
+        answer = {**_envelope(job, state.model, choices), "usage": job.usage()}
+        handoff = _handoff(job, body, state, request.url.port or 0)
+        if handoff is not None:
+            answer["kv_transfer_params"] = handoff
+        return JSONResponse(answer)
     finally:
         state.in_flight -= 1
 
@@ -291,7 +361,13 @@ def build_app(state: FakeState) -> FastAPI:
 
     @app.get("/stats")
     async def stats() -> dict:
-        return {"requests": state.requests, "in_flight": state.in_flight, "failed": state.failed}
+        return {"requests": state.requests, "in_flight": state.in_flight, "failed": state.failed,
+                "handoffs": state.handoffs}
+
+    @app.get("/fake/received")
+    async def received() -> list:
+        with state.lock:
+            return list(state.received)
 
     @app.post("/fake/config")
     async def configure(request: Request) -> Response:
@@ -355,7 +431,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def start_fake(port: int = 0, host: str = "127.0.0.1", **opts: object) -> FakeServer:
     """Start a fake on ``port`` (0: a free one) with ``FakeState`` options (``model``,
-    ``token_delay_s``, ``fail_mode``, ``fail_after``, ``fail_count``, ``healthy``)."""
+    ``token_delay_s``, ``fail_mode``, ``fail_after``, ``fail_count``, ``healthy``,
+    ``kv_role``)."""
     state = FakeState()
     state.configure(**opts)
     logging.getLogger("uvicorn.error").addFilter(_QUIET)
@@ -374,10 +451,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fail-mode", choices=[m for m in FAIL_MODES if m], default=None)
     p.add_argument("--fail-after", type=int, default=0)
     p.add_argument("--fail-count", type=int, default=None)
+    p.add_argument("--kv-role", choices=[r for r in KV_ROLES if r], default=None)
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     state = FakeState(model=args.model, token_delay_s=args.token_delay_s, fail_mode=args.fail_mode,
-                      fail_after=args.fail_after, fail_count=args.fail_count)
+                      fail_after=args.fail_after, fail_count=args.fail_count, kv_role=args.kv_role)
     logging.getLogger("uvicorn.error").addFilter(_QUIET)
     print(f"fake OpenAI server ({args.model}) on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level,

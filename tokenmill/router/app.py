@@ -1,6 +1,7 @@
 """The router's HTTP app: one OpenAI-compatible endpoint in front of the worker pool.
 
-Routes: every ``/v1/*`` path and ``/tokenize``, ``/detokenize`` are forwarded (``proxy.py``);
+Routes: every ``/v1/*`` path and ``/tokenize``, ``/detokenize`` are forwarded (``proxy.py``;
+in PD mode ``pd.py``, over the prefill and decode workers);
 ``/v1/models`` lists what the healthy workers (and the model launcher) serve; ``/health``,
 ``/metrics`` and ``/workers`` describe the router itself. The pool is ``app.state.pool``, so a
 launcher can add and remove workers while the router runs.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import hmac
 import logging
@@ -25,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import Policy, make_policy
+from tokenmill.router.pd import PDProxy
 from tokenmill.router.proxy import Proxy, openai_error
 from tokenmill.router.workers import HealthMonitor, KVSubscriptions, Worker, WorkerPool
 
@@ -53,23 +56,30 @@ class Router:
         self.cfg = cfg
         self.launcher = launcher
         self.pool = WorkerPool(cfg)
-        for url in cfg.workers:
-            self.pool.add(url)
+        for role, urls in (("regular", cfg.workers), ("prefill", cfg.prefill_workers),
+                           ("decode", cfg.decode_workers)):
+            for url in urls:
+                self.pool.add(url, role=role)
         self.kv_index = _kv_index(cfg)
+        # PD mode: ``policy`` chooses the prefill worker, ``decode_policy`` the decode one
         self.policy: Policy = make_policy(cfg, self.kv_index)
+        self.decode_policy: Policy | None = (
+            make_policy(dataclasses.replace(cfg, policy=cfg.decode_policy)) if cfg.pd else None)
         self.metrics = RouterMetrics(
-            lambda: {w.url: (w.in_flight, w.healthy) for w in self.pool.all()},
+            lambda: {w.url: (w.in_flight, w.healthy, w.role) for w in self.pool.all()},
             self.policy.stats)
         self.kv = (KVSubscriptions(self.kv_index, dict(cfg.kv_event_endpoints))
                    if self.kv_index is not None else None)
         self._forget_on_leave()
-        self.proxy: Proxy | None = None
+        self.proxy: Proxy | PDProxy | None = None
 
     def _forget_on_leave(self) -> None:
         """A worker ejected (often restarted, with a cold cache) or removed leaves no stale
         cache state behind in the policy or the KV index."""
         def forget(w: Worker) -> None:
             self.policy.forget_worker(w.url)
+            if self.decode_policy is not None:
+                self.decode_policy.forget_worker(w.url)
             if self.kv is not None:
                 self.kv.forget(w.url)
 
@@ -128,8 +138,7 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client, \
                 _upstream_session(cfg) as session:
-            self.proxy = Proxy(cfg, self.pool, self.policy, session, self.metrics,
-                               self.ensure_model)
+            self.proxy = self._proxy(session)
             monitor = HealthMonitor(self.pool, client, self.kv)
             await monitor.probe_all(first=True)
             task = asyncio.create_task(monitor.run())
@@ -142,6 +151,23 @@ class Router:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 await self._close()
+
+    def _proxy(self, session: aiohttp.ClientSession) -> Proxy | PDProxy:
+        """The data path: one proxy over the pool, or in PD mode one over each role."""
+        def proxy(pool: WorkerPool, policy: Policy) -> Proxy:
+            return Proxy(self.cfg, pool, policy, session, self.metrics, self.ensure_model)
+
+        if self.decode_policy is None:
+            return proxy(self.pool, self.policy)
+        return PDProxy(proxy(self.pool.only("prefill"), self.policy),
+                       proxy(self.pool.only("decode"), self.decode_policy), self.metrics)
+
+    def healthy_counts(self) -> dict[str, int]:
+        """Admitted workers per role."""
+        counts: dict[str, int] = {}
+        for w in self.pool.all():
+            counts[w.role] = counts.get(w.role, 0) + w.healthy
+        return counts
 
     async def _close(self) -> None:
         if self.kv is not None:
@@ -218,10 +244,16 @@ def _add_own_routes(app: FastAPI, router: Router) -> None:
     """What the router answers itself; /health and /metrics need no key (probes, scrapers)."""
     @app.get("/health")
     async def health() -> Response:
-        healthy = sum(w.healthy for w in router.pool.all())
-        ok = healthy > 0 or bool(router.launcher and router.launcher.cards())
-        return JSONResponse({"status": "ok" if ok else "unhealthy", "healthy_workers": healthy},
-                            status_code=200 if ok else 503)
+        counts = router.healthy_counts()
+        healthy = sum(counts.values())
+        # PD mode serves (slower) without prefill workers, never without decode ones
+        ok = counts.get("decode", 0) > 0 if router.cfg.pd else healthy > 0
+        ok = ok or bool(router.launcher and router.launcher.cards())
+        body: dict[str, Any] = {"status": "ok" if ok else "unhealthy",
+                                "healthy_workers": healthy}
+        if router.cfg.pd:
+            body["healthy_by_role"] = counts
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -231,7 +263,11 @@ def _add_own_routes(app: FastAPI, router: Router) -> None:
 def _add_forwarded_routes(app: FastAPI, router: Router, key_check: Any) -> None:
     @app.get("/workers", dependencies=[key_check])
     async def workers() -> dict[str, Any]:
-        return {"policy": router.policy.name, "workers": [w.state() for w in router.pool.all()]}
+        listing: dict[str, Any] = {"policy": router.policy.name,
+                                   "workers": [w.state() for w in router.pool.all()]}
+        if router.decode_policy is not None:  # PD mode: ``policy`` chooses prefill workers
+            listing["decode_policy"] = router.decode_policy.name
+        return listing
 
     @app.get("/v1/models", dependencies=[key_check])
     async def models() -> dict[str, Any]:

@@ -87,6 +87,7 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                    metavar="URL=ENDPOINT", help="where worker URL publishes KV events, e.g. "
                    "http://h:8001=tcp://h:5557 (default: read from a tokenmill worker's "
                    "/server_info)")
+    _add_pd_flags(p)
     for flag, name, kwargs in _FLAGS:
         p.add_argument(flag, dest=name, default=None,
                        **{**kwargs, "help": f"{kwargs['help']} (default: {_DEFAULTS[name]})"})
@@ -94,9 +95,29 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _add_pd_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill/decode disaggregation (vLLM's kv_transfer_params "
+                             "protocol)")
+    g.add_argument("--pd", action="store_true",
+                   help="each completion is prefilled on a --prefill worker (max_tokens=1), "
+                        "then generated on a --decode worker that pulls the prompt's KV "
+                        "blocks from it (workers: tokenmill serve --kv-role producer / "
+                        "consumer, or vLLM with a KV connector)")
+    g.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   dest="prefill_workers",
+                   help="a prefill worker's base URL (repeatable; chosen by --policy)")
+    g.add_argument("--decode", action="append", default=[], metavar="URL",
+                   dest="decode_workers",
+                   help="a decode worker's base URL (repeatable; chosen by --decode-policy)")
+    g.add_argument("--decode-policy", choices=POLICIES, default=_DEFAULTS["decode_policy"],
+                   help=f"how a decode worker is chosen (default: "
+                        f"{_DEFAULTS['decode_policy']})")
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    if not args.worker and not args.models_file:
-        raise ValueError("give at least one --worker URL (or a --models file)")
+    if not args.worker and not args.models_file and not args.pd:
+        raise ValueError("give at least one --worker URL (or a --models file, or --pd with "
+                         "--prefill and --decode URLs)")
     endpoints = []
     for item in args.kv_event_endpoint:
         url, sep, endpoint = item.rpartition("=")
@@ -109,7 +130,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         port=args.port, api_keys=tuple(args.api_key),
                         worker_api_key=args.worker_api_key, models_file=args.models_file,
                         kv_events=not args.no_kv_events, kv_event_endpoints=tuple(endpoints),
-                        **tuned)
+                        pd=args.pd, prefill_workers=tuple(args.prefill_workers),
+                        decode_workers=tuple(args.decode_workers),
+                        decode_policy=args.decode_policy, **tuned)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

@@ -1,10 +1,13 @@
-"""The router's configuration: workers, policy, health and failover, cache-aware thresholds."""
+"""The router's configuration: workers, policy, health and failover, cache-aware thresholds,
+prefill/decode disaggregation."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_load", "cache_aware", "prefix_hash")
+# What a worker does: anything (a plain router), or one half of a disaggregated request
+ROLES = ("regular", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -41,4 +44,28 @@ class RouterConfig:
     models_file: str | None = None
     max_running_models: int = 2
     log_level: str = "info"
+    # PD mode: each completion goes to a prefill worker (``policy``) with max_tokens=1, then to
+    # a decode worker (``decode_policy``) with the KV hand-off it returned (router/pd.py)
+    pd: bool = False
+    prefill_workers: tuple[str, ...] = ()
+    decode_workers: tuple[str, ...] = ()
+    decode_policy: str = "least_load"
     extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.pd:
+            if self.prefill_workers or self.decode_workers:
+                raise ValueError("prefill and decode workers need PD mode (--pd)")
+            return
+        if not self.prefill_workers or not self.decode_workers:
+            raise ValueError("PD mode needs at least one prefill and one decode worker "
+                             "(--prefill URL --decode URL)")
+        if self.workers or self.models_file:
+            raise ValueError("in PD mode every worker is a prefill or a decode one: give "
+                             "--prefill and --decode, not --worker or --models")
+        both = set(self.prefill_workers) & set(self.decode_workers)
+        if both:
+            raise ValueError(f"a worker cannot be both prefill and decode: {sorted(both)}")
+        if self.decode_policy not in POLICIES:
+            raise ValueError(f"unknown decode policy {self.decode_policy!r}; choose one of "
+                             f"{', '.join(POLICIES)}")

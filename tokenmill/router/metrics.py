@@ -18,8 +18,8 @@ from prometheus_client.registry import Collector
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-# url -> (in flight, healthy 0/1); read when scraped
-WorkerStates = Callable[[], dict[str, tuple[int, bool]]]
+# url -> (in flight, healthy, role); read when scraped
+WorkerStates = Callable[[], dict[str, tuple[int, bool, str]]]
 PolicyStats = Callable[[], dict[str, float]]
 
 
@@ -38,11 +38,19 @@ class _LiveGauges(Collector):
         healthy = GaugeMetricFamily("tokenmill_router_worker_healthy",
                                     "1 while a worker is admitted (answers its health checks, "
                                     "not ejected), else 0.", labels=["worker"])
-        for url, (n, ok) in sorted(self._workers().items()):
+        per_role = GaugeMetricFamily("tokenmill_router_healthy_workers",
+                                     "Admitted workers of each role (regular; PD mode: "
+                                     "prefill, decode).", labels=["role"])
+        roles: dict[str, int] = {}
+        for url, (n, ok, role) in sorted(self._workers().items()):
             in_flight.add_metric([url], n)
             healthy.add_metric([url], 1.0 if ok else 0.0)
+            roles[role] = roles.get(role, 0) + ok
+        for role, count in sorted(roles.items()):
+            per_role.add_metric([role], count)
         yield in_flight
         yield healthy
+        yield per_role
         for name, value in sorted(self._policy_stats().items()):
             yield GaugeMetricFamily(f"tokenmill_router_{name}",
                                     f"The routing policy's {name.replace('_', ' ')}.", value=value)
@@ -74,6 +82,12 @@ class RouterMetrics:
                                "before the answering worker got the request: parsing, routing, "
                                "tokenizing for the policy, failed tries.",
                                buckets=_LATENCY_BUCKETS, registry=r)
+        self.pd_fallbacks = Counter("tokenmill_router_pd_fallbacks", "PD mode: requests sent "
+                                    "to a decode worker without a KV hand-off (it computes the "
+                                    "prompt itself), by why.", ["reason"], registry=r)
+        self.pd_prefill = Histogram("tokenmill_router_pd_prefill_seconds", "PD mode: the "
+                                    "prefill step of a request, arrival to the hand-off (or "
+                                    "the fallback).", buckets=_LATENCY_BUCKETS, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

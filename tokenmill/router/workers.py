@@ -13,11 +13,15 @@ The health monitor also learns what each worker serves (``GET /v1/models``) and,
 workers that publish KV-cache events (``GET /server_info``'s ``kv_events``), keeps a subscriber
 that mirrors them into the router's ``KVIndex`` (a new one when the advertised endpoint changes,
 as it does when a worker restarts on free ports).
+
+In PD mode (``pd.py``) every worker has a role, prefill or decode; each side's proxy sees the
+pool through ``WorkerPool.only(role)``: one set of workers and breakers, two candidate lists.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -39,6 +43,7 @@ class Worker:
     """One worker as the router sees it; ``in_flight`` and ``url`` are what policies read."""
 
     url: str
+    role: str = "regular"  # PD mode: "prefill" or "decode" (config.ROLES)
     static_models: frozenset[str] = frozenset()  # given by whoever added it (a launcher)
     models: frozenset[str] = frozenset()  # what it serves: static ones and its /v1/models
     cards: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models entries
@@ -58,7 +63,8 @@ class Worker:
         return model is None or not self.models or model in self.models
 
     def state(self) -> dict[str, Any]:
-        return {"url": self.url, "models": sorted(self.models), "healthy": self.healthy,
+        return {"url": self.url, "role": self.role, "models": sorted(self.models),
+                "healthy": self.healthy,
                 "ejected": self.ejected, "consecutive_failures": self.failures,
                 "consecutive_probe_failures": self.probe_failures,
                 "in_flight": self.in_flight, "routed": self.routed}
@@ -75,18 +81,19 @@ class WorkerPool:
 
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
+        self.role: str | None = None  # a view of one role's workers (``only``); None: all
         self._workers: dict[str, Worker] = {}
         # called with a worker as it is ejected or removed: forget its cache state
         self.on_eject: list[Callable[[Worker], None]] = []
         self.on_remove: list[Callable[[Worker], None]] = []
 
-    def add(self, url: str, models: Iterable[str] = ()) -> Worker:
+    def add(self, url: str, models: Iterable[str] = (), role: str = "regular") -> Worker:
         """Admit a worker at once (whoever adds one at run time has seen it healthy); the
         health monitor corrects that within one interval if not."""
         url = normalise_url(url)
         w = self._workers.get(url)
         if w is None:
-            w = self._workers[url] = Worker(url)
+            w = self._workers[url] = Worker(url, role)
         w.static_models = frozenset(models)
         w.models = w.models | w.static_models
         return w
@@ -100,11 +107,18 @@ class WorkerPool:
     def get(self, url: str) -> Worker | None:
         return self._workers.get(normalise_url(url))
 
+    def only(self, role: str) -> WorkerPool:
+        """This pool seen through one role (PD mode: its prefill or its decode workers): the
+        same workers, breakers and hooks, but ``all`` and ``candidates`` list that role's."""
+        view = copy.copy(self)
+        view.role = role
+        return view
+
     def all(self) -> list[Worker]:
-        return list(self._workers.values())
+        return [w for w in self._workers.values() if self.role in (None, w.role)]
 
     def candidates(self, model: str | None) -> list[Worker]:
-        return [w for w in self._workers.values() if w.healthy and w.serves(model)]
+        return [w for w in self.all() if w.healthy and w.serves(model)]
 
     def knows(self, model: str) -> bool:
         """Whether any worker, healthy or not, serves ``model``: a 503 (come back later)
@@ -176,7 +190,9 @@ class HealthMonitor:
             return
         self.pool.record_probe_success(w)
         await self._learn_models(w)
-        if self.kv is not None:  # every round: a worker restarted in between has new ports
+        # every round: a worker restarted in between has new ports; a decode worker's cache
+        # is not what PD mode routes on
+        if self.kv is not None and w.role != "decode":
             await self.kv.discover(w, self.client, self._timeout)
 
     async def _alive(self, w: Worker) -> bool:

@@ -115,6 +115,17 @@ def openai_usage(outputs: Iterable[RequestOutput]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
 
 
+def with_kv_transfer(body: dict[str, Any], outputs: Iterable[RequestOutput]) -> dict[str, Any]:
+    """``body`` with vLLM's top-level ``kv_transfer_params`` when the engine's KV connector
+    returned some (a producer's: where the decode instance pulls the prompt's blocks from);
+    without them the key is left out, so other answers keep their shape."""
+    params = next((o.kv_transfer_params for o in outputs if o.kv_transfer_params is not None),
+                  None)
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return body
+
+
 class ChoicesFormatter(OutputFormatter):
     """Completions and chat: ``choices`` in a body, or ``data:`` chunks of choice deltas and
     ``[DONE]``. With ``stream_options.include_usage`` every chunk carries ``usage`` (null, or
@@ -177,8 +188,9 @@ class CompletionFormatter(ChoicesFormatter):
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = [self._choice(pi, c, _CompletionCursor())
                    for pi, out in enumerate(finals) for c in out.outputs]
-        return {"id": self.rid, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": choices, "usage": openai_usage(finals)}
+        return with_kv_transfer({"id": self.rid, "object": "text_completion",
+                                 "created": self.created, "model": self.model,
+                                 "choices": choices, "usage": openai_usage(finals)}, finals)
 
     async def events(self, outputs: Outputs) -> AsyncIterator[dict[str, Any]]:
         cursors = [_CompletionCursor() for _ in range(self.n * self.num_prompts)]
@@ -245,8 +257,9 @@ class ChatFormatter(ChoicesFormatter):
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.logprobs or []),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
-        return {"id": self.rid, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": choices, "usage": openai_usage([out])}
+        return with_kv_transfer({"id": self.rid, "object": "chat.completion",
+                                 "created": self.created, "model": self.model,
+                                 "choices": choices, "usage": openai_usage([out])}, [out])
 
     async def events(self, outputs: Outputs) -> AsyncIterator[dict[str, Any]]:
         choices = [_ChatChoice(self.parser) for _ in range(self.n)]

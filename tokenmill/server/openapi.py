@@ -37,6 +37,10 @@ class Usage(BaseModel):
 
 
 StopReason = int | str | None  # the stop token id or stop string that ended a choice
+# vLLM's: a producer's (--kv-role) answer to kv_transfer_params, absent from other answers
+KVTransferParams = Annotated[dict[str, Any] | None, Field(
+    None, description="present when the request's kv_transfer_params asked this server to "
+                      "prefill for another: where the decode instance pulls the KV blocks from")]
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -67,6 +71,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    kv_transfer_params: KVTransferParams
 
 
 class CompletionChunkChoice(BaseModel):
@@ -138,6 +143,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: KVTransferParams
 
 
 class FunctionCallDelta(TypedDict, total=False):

@@ -70,6 +70,7 @@ class EngineJob:
     grammar: CompiledGrammar | None  # params' constraint, compiled already
     priority: int = 0
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # for the engine's KV connector
 
 
 class RequestPipeline:
@@ -124,6 +125,7 @@ class RequestPipeline:
                      logprobs: int | None, logprobs_param: str) -> None:
         """The limits a request's fields must keep, before anything is tokenized."""
         self.rules.check(req, num_prompts, limit, logprobs, logprobs_param)
+        check_kv_transfer(req, num_prompts)
 
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
         limit = self.limits.max_prompt_chars
@@ -239,7 +241,8 @@ class RequestPipeline:
         params = self.rules.params(req, [len(p.ids) for p in prompts], limit, logprobs,
                                    structured)
         grammar = await self.compile(params.structured_outputs)
-        return EngineJob(prompts, params, grammar, req.priority, req.cache_salt)
+        return EngineJob(prompts, params, grammar, req.priority, req.cache_salt,
+                         req.kv_transfer_params)
 
     async def run(self, job: EngineJob, fmt: OutputFormatter, stream: bool,
                   raw: Request) -> Response:
@@ -261,7 +264,7 @@ class RequestPipeline:
                 request_id = f"{rid}-{own}" if len(prompts) == 1 else f"{rid}-{own}-{i}"
                 streams.append(await self.engine.add_request(
                     request_id, prompt.ids, job.params, job.priority, job.cache_salt,
-                    job.grammar))
+                    job.grammar, kv_transfer_params=job.kv_transfer_params))
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -276,9 +279,31 @@ class RequestPipeline:
                             {"Retry-After": str(e.retry_after)})
         if isinstance(e, EngineUnavailableError):
             return engine_error(e)
-        if isinstance(e, ValueError):
-            return invalid(prompt_param, str(e))
+        if isinstance(e, ValueError):  # the engine names the hand-off in its message
+            kv = str(e).startswith("kv_transfer_params:")
+            return invalid("kv_transfer_params" if kv else prompt_param, str(e))
         return e
+
+
+def check_kv_transfer(req: SamplingFields, num_prompts: int) -> None:
+    """``kv_transfer_params`` names one engine request's KV blocks: one prompt; and a producer
+    (``do_remote_decode``) hands over the blocks of one sequence, in a body the caller reads
+    whole (the params come back in it), so one choice and no stream."""
+    params = req.kv_transfer_params
+    if params is None:
+        return
+    if num_prompts > 1:
+        raise invalid("kv_transfer_params", f"kv_transfer_params: only with a single prompt "
+                      f"(got {num_prompts})", "unsupported_parameter")
+    if not params.get("do_remote_decode"):
+        return
+    if req.n > 1:
+        raise invalid("kv_transfer_params", f"kv_transfer_params: do_remote_decode needs n=1 "
+                      f"(got n={req.n})", "unsupported_parameter")
+    if req.stream:
+        raise invalid("kv_transfer_params", "kv_transfer_params: do_remote_decode needs "
+                      "stream=false (the hand-off comes back in the response body)",
+                      "unsupported_parameter")
 
 
 def message_dict(m: ChatMessage, index: int, param: str = "messages") -> dict[str, Any]:

@@ -8,6 +8,7 @@ hold a lone UTF-16 surrogate (valid JSON, but not text) and no number may be inf
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -82,6 +83,25 @@ def printable(text: str) -> str:
 
 def _top(where: str) -> str:
     return where.split(".", 1)[0].split("[", 1)[0]
+
+
+# vLLM's prefill/decode hand-off is a few ids and the producer's block ids (one per block of
+# the prompt): far below this, which only keeps a body from parking megabytes in the engine.
+KV_TRANSFER_PARAMS_MAX_CHARS = 1 << 18
+
+
+def check_kv_transfer_params(value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` as it is, or FieldError: ``kv_transfer_params`` is a JSON object of at most
+    ``KV_TRANSFER_PARAMS_MAX_CHARS`` characters (what it holds is the KV connector's to judge)."""
+    try:
+        size = len(json.dumps(value))
+    except (TypeError, ValueError, RecursionError):
+        raise FieldError("kv_transfer_params", "kv_transfer_params: not a plain JSON object") \
+            from None
+    if size > KV_TRANSFER_PARAMS_MAX_CHARS:
+        raise FieldError("kv_transfer_params", f"kv_transfer_params: {size} characters is more "
+                         f"than this server takes ({KV_TRANSFER_PARAMS_MAX_CHARS})")
+    return value
 
 
 # A request id becomes part of response and engine ids and of log lines: short and plain.
@@ -162,7 +182,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "enable_response_messages": _OFF, "previous_input_messages": (None, []),
 }
 # completions implement these (add_special_tokens defaults to true there)
-_UNSUPPORTED_COMPLETIONS = {"add_special_tokens", "echo"}
+_UNSUPPORTED_COMPLETIONS = {"add_special_tokens", "echo", "kv_transfer_params"}
 # vLLM fields left alone because they ask for nothing here: ``session_id`` (a hint for routing
 # related requests; one engine), ``truncation_side`` (only with truncate_prompt_tokens, refused
 # above), ``mm_payload``, ``return_mm_kwargs`` and ``routed_experts_prompt_start`` (what the render
@@ -241,11 +261,19 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    # vLLM's prefill/decode hand-off, for the engine's KV connector as it is; completions and
+    # chat take it, the other endpoints refuse it (``implemented``)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("request_id")
     @classmethod
     def _plain_request_id(cls, value: str | None) -> str | None:
         return None if value is None else check_request_id(value, "request_id")
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _bounded_kv_transfer_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else check_kv_transfer_params(value)
 
 
 class CompletionRequest(SamplingFields):
@@ -297,6 +325,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
     parallel_tool_calls: bool = True
+
+    implemented: ClassVar[frozenset[str]] = frozenset({"kv_transfer_params"})
 
 
 class TokenizeRequest(_Request):
