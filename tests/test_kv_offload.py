@@ -3,7 +3,10 @@ cache's evictions and a prompt's hits turn into, with no torch and no worker."""
 
 from __future__ import annotations
 
+import pytest
+
 from tokenmill.cache.events import chain_hashes
+from tokenmill.config import EngineConfig
 from tokenmill.kv_transfer.base import (DropBlocks, KVConnectorOutput, LoadBlocks, MoveBlocks,
                                         SaveBlocks)
 from tokenmill.kv_transfer.offload import OffloadScheduler
@@ -113,3 +116,19 @@ def test_a_failed_load_forgets_the_block_that_failed():
     conn.update_connector_output(KVConnectorOutput(failed_recving={"r": 1}))
     assert keys[0] in conn.tiers[0] and keys[1] not in conn.tiers[0]
     assert conn.get_num_new_matched_tokens(Request("again", prompt), 0) == (BS, True)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(kv_offload="disk", kv_offload_size=1 << 30), "--kv-offload-dir"),
+    (dict(kv_offload="host"), "--kv-offload-size"),
+    (dict(kv_offload_dir="/tmp/x"), "only with --kv-offload disk"),
+    (dict(kv_offload="host", kv_offload_size=1 << 30, kv_offload_host_size=1 << 20),
+     "--kv-offload-host-size"),
+    (dict(kv_role="consumer", kv_offload="host", kv_offload_size=1 << 30), "combined"),
+    (dict(kv_role="decoder"), "kv_role"),
+    (dict(kv_offload="host", kv_offload_size=1 << 30, enable_prefix_caching=False),
+     "--no-prefix-cache"),
+])
+def test_settings_that_cannot_work_are_refused_before_anything_loads(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_options("smollm2-135m-instruct", **options)

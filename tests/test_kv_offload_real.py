@@ -8,8 +8,10 @@ import logging
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from tests.test_server_support import start_server, stop_server
 from tokenmill import LLM, SamplingParams
 
 # loads the real model or starts servers / ranks: not in the fast loop
@@ -36,6 +38,12 @@ def _llm(**options) -> LLM:
 def _run(llm: LLM, prompt: list[int]):
     (out,) = llm.generate([prompt], GREEDY)
     return out.outputs[0].token_ids, out.outputs[0].logprobs, out.num_cached_tokens
+
+
+def _decode(tokens: list[int]) -> str:
+    from tokenmill.tokenizer import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct").decode(tokens)
 
 
 def _block_files(root: Path) -> list[Path]:
@@ -88,15 +96,25 @@ def test_blocks_reloaded_from_disk_give_bit_identical_logprobs(disk_runs):
     assert r["after"].kv_tiers["disk"].hits >= r["cacheable"] // BS
 
 
-def test_the_disk_tier_survives_a_restart(disk_runs, disk_dir):
-    llm = _llm(num_blocks=96, kv_offload="disk", kv_offload_size=64 << 20,
-               kv_offload_dir=str(disk_dir))
-    try:
-        tokens, logprobs, cached = _run(llm, disk_runs["prompt"])
-    finally:
-        llm.engine.shutdown()
-    assert cached == disk_runs["cacheable"]
-    assert (tokens, logprobs) == disk_runs["from_radix"][:2]
+def test_the_disk_tier_survives_a_server_restart(disk_runs, disk_dir, tmp_path_factory):
+    """A server started on the directory the engine above wrote finds the prompt's blocks."""
+    flags = ("--num-threads", "2", "--kv-offload", "disk", "--kv-offload-size", "64MiB",
+             "--kv-offload-dir", str(disk_dir))
+    body = {"model": "smollm2-135m-instruct", "prompt": disk_runs["prompt"], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    answers = []
+    for _ in range(2):  # the second server finds what the first wrote too
+        server = start_server(tmp_path_factory, *flags)
+        try:
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        finally:
+            stop_server(server)
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    for answer in answers:
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == disk_runs["cacheable"]
+        tokens = disk_runs["from_radix"][0]
+        assert answer["choices"][0]["text"] == _decode(tokens)
 
 
 def test_a_corrupt_block_file_is_a_miss_and_changes_no_token(disk_runs, tmp_path, caplog):

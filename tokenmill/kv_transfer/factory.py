@@ -90,9 +90,7 @@ def worker_connector_info(worker: ConnectorWorker, cfg: KVTransferConfig) -> dic
 
 def build_scheduler_connector(cfg: KVTransferConfig, block_size: int,
                               info: Mapping[str, Any], tp_size: int = 1) -> KVConnectorScheduler:
-    if cfg.kv_role is not None:
-        if cfg.kv_offload != "none":
-            raise ValueError("--kv-role and --kv-offload cannot be combined yet")
+    if cfg.kv_role is not None:  # the config refuses a role with offload tiers
         from tokenmill.kv_transfer.pd import PDScheduler
 
         return PDScheduler(cfg.kv_role, block_size, host=info.get("host", "127.0.0.1"),
