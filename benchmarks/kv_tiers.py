@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -60,7 +59,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from machine import machine  # noqa: E402
 from pd import (Call, Server, build_prompts, completion_body, delta, pct_ms,  # noqa: E402
-                scrape, server_facts, start_serve, stream)
+                scrape, server_facts, start_serve, stream, write_json)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PARTS = ("ttft", "working-set")
@@ -423,9 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(ttft_table(result["ttft"]))
     if "working_set" in result:
         print(ws_table(result["working_set"]))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     return 0
 
 

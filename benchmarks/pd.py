@@ -43,7 +43,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -60,6 +59,7 @@ from prometheus_client.parser import text_string_to_metric_families
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from machine import machine  # noqa: E402
+from router import Proc  # noqa: E402
 
 from tokenmill.bench.workloads import random_text  # noqa: E402
 from tokenmill.router.replicas import free_port  # noqa: E402
@@ -76,24 +76,11 @@ DEFAULT_SERVER_ARGS = "--kv-cache-memory 2048blocks"
 
 
 @dataclass
-class Server:
-    """A process this script started (a server or the router), stopped as a process group."""
+class Server(Proc):
+    """A process this script started (a server or the router), stopped as a process group;
+    ``cores``: what it was pinned to."""
 
-    name: str
-    popen: subprocess.Popen
-    url: str
-    log: Path
     cores: list[int] | None = None
-
-    def stop(self) -> None:
-        if self.popen.poll() is not None:
-            return
-        os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(10)
 
 
 def spawn(name: str, cmd: list[str], port: int, cores: Sequence[int] | None = None,
@@ -484,10 +471,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"CPU: {m.get('cpu')}; instruction sets: {m.get('isa')}; dtype {s.get('dtype')}, "
           f"KV cache {s.get('kv_cache_dtype')} ({s.get('kv_cache_dtype_reason')})")
     print(table(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     return 0
+
+
+def write_json(path: Path | None, result: dict) -> None:
+    """``--json``: the whole result, where asked."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

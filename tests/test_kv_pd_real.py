@@ -34,30 +34,29 @@ PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_
            "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-@pytest.fixture(scope="module")
-def producer(tmp_path_factory):
-    s = start_server(tmp_path_factory, *FLAGS, "--kv-role", "producer",
-                     "--kv-transfer-timeout", "3")
+def _server(tmp_path_factory, *flags: str):
+    s = start_server(tmp_path_factory, *FLAGS, *flags)
     yield s
     stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def producer(tmp_path_factory):
+    yield from _server(tmp_path_factory, "--kv-role", "producer", "--kv-transfer-timeout", "3")
 
 
 @pytest.fixture(scope="module")
 def cutting_producer(tmp_path_factory):
     """Sends two blocks of each pull, then goes silent: a transfer cut mid-way."""
-    s = start_server(tmp_path_factory, *FLAGS, "--kv-role", "producer",
-                     "--kv-test-fail-after-blocks", "2")
-    yield s
-    stop_server(s)
+    yield from _server(tmp_path_factory, "--kv-role", "producer",
+                       "--kv-test-fail-after-blocks", "2")
 
 
 @pytest.fixture(scope="module")
 def consumer(tmp_path_factory):
     # drafts verified on pulled KV: speculative decoding is lossless there too
-    s = start_server(tmp_path_factory, *FLAGS, "--kv-role", "consumer", "--kv-pull-timeout", "3",
-                     "--speculative-method", "ngram")
-    yield s
-    stop_server(s)
+    yield from _server(tmp_path_factory, "--kv-role", "consumer", "--kv-pull-timeout", "3",
+                       "--speculative-method", "ngram")
 
 
 def _complete(url: str, kv_params: dict | None = None, max_tokens: int = 24,

@@ -202,6 +202,20 @@ class KVConnectorScheduler(ABC):
         return {}
 
 
+class QueuedOpsScheduler(KVConnectorScheduler):
+    """A scheduler side that queues its ops as it decides them (``_ops``, in order) and hands
+    them over once per step."""
+
+    def __init__(self) -> None:
+        self._ops: list[KVOp] = []
+
+    def build_connector_meta(self) -> KVConnectorMetadata | None:
+        if not self._ops:
+            return None
+        ops, self._ops = tuple(self._ops), []
+        return KVConnectorMetadata(ops)
+
+
 class KVConnectorWorker(ABC):
     """The worker's side: holds the KV cache tensors' bytes and the threads that move them."""
 

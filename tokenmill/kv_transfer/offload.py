@@ -25,9 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenmill.cache.events import chain_hashes
-from tokenmill.kv_transfer.base import (DropBlocks, KVConnectorMetadata, KVConnectorOutput,
-                                        KVConnectorScheduler, KVOp, LoadBlocks, MoveBlocks,
-                                        SaveBlocks, TierStats)
+from tokenmill.kv_transfer.base import (DropBlocks, KVConnectorOutput, LoadBlocks,
+                                        MoveBlocks, QueuedOpsScheduler, SaveBlocks, TierStats)
 from tokenmill.request import Request
 
 Tokens = tuple[int, ...] | None  # None: a block found on disk at start-up
@@ -65,7 +64,7 @@ class TierIndex:
         return out
 
 
-class OffloadScheduler(KVConnectorScheduler):
+class OffloadScheduler(QueuedOpsScheduler):
     """``tiers``: fastest first, ``(name, capacity in blocks)``; ``write_through``: blocks the
     radix cache adopts are saved to the last tier at once (disk), not only when evicted.
     ``known``: keys (with tokens) a persistent tier already holds at start-up, oldest first."""
@@ -75,13 +74,13 @@ class OffloadScheduler(KVConnectorScheduler):
                  known: Mapping[str, Sequence[tuple[int, Tokens]]] | None = None) -> None:
         if not tiers:
             raise ValueError("an offload connector needs at least one tier")
+        super().__init__()
         self.block_size = block_size
         self.tiers = [TierIndex(name, capacity) for name, capacity in tiers]
         self.write_through = write_through
         for tier in self.tiers:
             for key, tokens in (known or {}).get(tier.name, ()):
                 tier.add(key, tokens)
-        self._ops: list[KVOp] = []
         self._pinned: Counter[int] = Counter()  # keys a queued or running load reads
         self._loads: dict[str, tuple[int, ...]] = {}  # request id -> keys it pinned
         self._hashes: dict[str, tuple[int, tuple[int, ...]]] = {}  # request -> (tokens, keys)
@@ -198,12 +197,6 @@ class OffloadScheduler(KVConnectorScheduler):
         self.num_loaded_tokens += num_external_tokens
 
     # ----- each step ----------------------------------------------------------------------
-
-    def build_connector_meta(self) -> KVConnectorMetadata | None:
-        if not self._ops:
-            return None
-        ops, self._ops = tuple(self._ops), []
-        return KVConnectorMetadata(ops)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for request_id, good in output.failed_recving.items():

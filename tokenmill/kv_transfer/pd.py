@@ -23,8 +23,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenmill.kv_transfer.base import (ExposeBlocks, KVConnectorMetadata, KVConnectorOutput,
-                                        KVConnectorScheduler, KVOp, PullBlocks, TierStats)
+from tokenmill.kv_transfer.base import (ExposeBlocks, KVConnectorOutput, PullBlocks,
+                                        QueuedOpsScheduler, TierStats)
 from tokenmill.request import Request
 from tokenmill.util import cdiv
 
@@ -61,19 +61,19 @@ def _check_remote(params: Mapping[str, Any]) -> None:
         raise ValueError("kv_transfer_params: remote_host and remote_request_id are strings")
 
 
-class PDScheduler(KVConnectorScheduler):
+class PDScheduler(QueuedOpsScheduler):
     """``role``: producer, consumer or both. ``host``/``port``: where this instance's side
     channel listens (rank 0's; a producer advertises them). ``tp_size``: ranks per engine."""
 
     def __init__(self, role: str, block_size: int, *, host: str, port: int,
                  timeout: float, tp_size: int = 1) -> None:
+        super().__init__()
         self.role = role
         self.block_size = block_size
         self.host, self.port = host, port
         self.timeout = timeout
         self.tp_size = tp_size
         self.engine_id = uuid.uuid4().hex
-        self._ops: list[KVOp] = []
         self._exposed: set[str] = set()  # producer: blocks held for a consumer
         self._pulling: set[str] = set()  # consumer: pulls not reported yet
         self._tried: set[str] = set()  # consumer: pulled once (a readmission recomputes)
@@ -136,12 +136,6 @@ class PDScheduler(KVConnectorScheduler):
         self._tried.discard(request.request_id)
 
     # ----- each step ----------------------------------------------------------------------
-
-    def build_connector_meta(self) -> KVConnectorMetadata | None:
-        if not self._ops:
-            return None
-        ops, self._ops = tuple(self._ops), []
-        return KVConnectorMetadata(ops)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._exposed -= output.finished_sending
