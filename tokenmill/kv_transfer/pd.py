@@ -5,7 +5,7 @@
     producer             prefills, samples one token; request_finished keeps the blocks and
                          answers kv_transfer_params = {"do_remote_prefill": true,
                          "remote_block_ids": [...], "remote_host", "remote_port",
-                         "remote_engine_id", "remote_request_id", "tp_size"}
+                         "remote_engine_id", "remote_request_id", "tp_size", "prompt_hash"}
     router -> consumer   the original body + those kv_transfer_params
     consumer             admits the request with its prompt short of the last token as an
                          external hit, pulls the blocks (worker side, ``p2p.py``) while other
@@ -19,8 +19,11 @@ arrived; the scheduler keeps those and computes the rest, so the tokens are the 
 
 from __future__ import annotations
 
+import logging
 import uuid
+from array import array
 from collections.abc import Mapping, Sequence
+from hashlib import blake2b
 from typing import Any
 
 from tokenmill.kv_transfer.base import (ExposeBlocks, KVConnectorOutput, PullBlocks,
@@ -29,6 +32,13 @@ from tokenmill.request import Request
 from tokenmill.util import cdiv
 
 _REMOTE_KEYS = ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
+logger = logging.getLogger("tokenmill.kv_transfer")
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """Names the prompt a hand-over's KV belongs to: a consumer whose own tokens differ (another
+    chat template, tokenizer or prompt) computes the prompt rather than read wrong KV."""
+    return blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
 def check_kv_transfer_params(params: Mapping[str, Any], role: str | None) -> None:
@@ -87,6 +97,12 @@ class PDScheduler(QueuedOpsScheduler):
         if (self.role == "producer" or not params or not params.get("do_remote_prefill")
                 or request.request_id in self._tried):
             return None
+        expected = params.get("prompt_hash")  # a tokenmill producer's; others send none
+        if expected is not None and expected != prompt_hash(request.prompt_token_ids):
+            logger.warning("kv_transfer_params of %s were made for another prompt (another "
+                           "chat template or tokenizer?): computing it here", request.request_id)
+            self._tried.add(request.request_id)
+            return None
         return params
 
     def get_num_new_matched_tokens(self, request: Request,
@@ -130,7 +146,8 @@ class PDScheduler(QueuedOpsScheduler):
                       "remote_engine_id": self.engine_id,
                       "remote_request_id": request.request_id,
                       "remote_block_ids": list(block_ids), "remote_host": self.host,
-                      "remote_port": self.port, "tp_size": self.tp_size}
+                      "remote_port": self.port, "tp_size": self.tp_size,
+                      "prompt_hash": prompt_hash(request.prompt_token_ids)}
 
     def request_aborted(self, request: Request) -> None:
         self._tried.discard(request.request_id)

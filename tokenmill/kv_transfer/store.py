@@ -162,10 +162,17 @@ class HostStore(BlockStore):
         return memoryview(entry[1])
 
     def delete(self, key: int) -> None:
+        self.take(key)
+
+    def take(self, key: int, tokens: Sequence[int] | None = None) -> bytearray | None:
+        """Remove a block and return its bytes (None: absent, or other ``tokens``): a move to
+        the next tier, which is no hit."""
         with self._lock:
             old = self._blocks.pop(key, None)
-        if old is not None:
-            self._stored(-1, -len(old[1]))
+        if old is None:
+            return None
+        self._stored(-1, -len(old[1]))
+        return old[1] if tokens is None or old[0] == tuple(tokens) else None
 
     def __contains__(self, key: int) -> bool:
         return key in self._blocks

@@ -103,10 +103,9 @@ class ConnectorWorker(KVConnectorWorker):
         self._writes.put(("put", key, tokens, data))
 
     def _move(self, op: MoveBlocks) -> None:
-        src = self.stores[op.src]
+        src = self.stores[op.src]  # the host tier: the only one above another
         for key, tokens in zip(op.keys, op.tokens):
-            data = src.get(key, tokens)
-            src.delete(key)
+            data = src.take(key, tokens)
             if data is not None:
                 self._queue_write(key, tokens, bytes(data))
 
