@@ -1,19 +1,25 @@
 """Prefill/decode disaggregation with real servers and the default model: a producer prefills,
-a consumer pulls the KV and decodes, and the tokens are those of one server doing both. A cut
-or lost transfer is recomputed on the consumer; the producer frees what nobody pulls."""
+a consumer pulls the KV and decodes, and the tokens are those of one server doing both; the
+producer frees what nobody pulls. Then ``kv_transfer_params`` at the HTTP layer: a 400 naming
+the field for what one hand-over cannot name (shape, size, several prompts, n or stream with
+do_remote_decode, the Responses API); null asks for nothing. (A server without a connector
+refuses the field: test_server_fields.py. Transfers cut or lost: test_kv_transfer_engine.py.)"""
 
 from __future__ import annotations
 
 import json
 import signal
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
 from tests.test_router_server import FAST_HEALTH, Proc
-from tests.test_server_support import free_port, metrics, start_server, stop_server
+from tests.test_server_support import MODEL, free_port, metrics, start_server, stop_server
+from tokenmill.server.formatters import with_kv_transfer
+from tokenmill.server.protocol import KV_TRANSFER_PARAMS_MAX_CHARS
 
 # loads the real model or starts servers / ranks: not in the fast loop
 pytestmark = pytest.mark.slow
@@ -32,6 +38,11 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
 FLAGS = ("--num-threads", "1", "--dtype", "float32")
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+DECODE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
+          "remote_request_id": "cmpl-1", "remote_block_ids": [1, 2], "remote_host": "127.0.0.1",
+          "remote_port": 5600, "tp_size": 1}
+COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
 
 def _server(tmp_path_factory, *flags: str):
@@ -43,13 +54,6 @@ def _server(tmp_path_factory, *flags: str):
 @pytest.fixture(scope="module")
 def producer(tmp_path_factory):
     yield from _server(tmp_path_factory, "--kv-role", "producer", "--kv-transfer-timeout", "3")
-
-
-@pytest.fixture(scope="module")
-def cutting_producer(tmp_path_factory):
-    """Sends two blocks of each pull, then goes silent: a transfer cut mid-way."""
-    yield from _server(tmp_path_factory, "--kv-role", "producer",
-                       "--kv-test-fail-after-blocks", "2")
 
 
 @pytest.fixture(scope="module")
@@ -133,19 +137,6 @@ def test_pd_streams(producer, consumer, reference):
     assert text == reference["choices"][0]["text"]
 
 
-def test_a_transfer_cut_mid_way_is_recomputed(producer, cutting_producer, consumer):
-    prompt, expected = _fresh(producer, "cut")
-    params = _prefill(cutting_producer.url, prompt)
-    computed = _counter(consumer.url, "prompt_tokens_computed")
-    out = _complete(consumer.url, params, prompt=prompt)
-    assert out["choices"][0]["text"] == expected
-    # the two blocks that arrived are kept, the rest of the prompt is computed
-    n_prompt = out["usage"]["prompt_tokens"]
-    assert _counter(consumer.url, "prompt_tokens_computed") - computed == n_prompt - 2 * BS
-    failed = metrics(consumer.url)[("tokenmill:kv_tier_misses_total", (("tier", "p2p"),))]
-    assert failed > 0
-
-
 def test_structured_output_on_pulled_kv(producer, consumer):
     prompt = f"Story json. {PROMPT} Reply with JSON."
     schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
@@ -189,13 +180,68 @@ def test_router_pd_mode_end_to_end(producer, consumer, tmp_path):
         router.stop(signal.SIGTERM)
 
 
-def test_the_producer_gone_before_the_pull_is_recomputed(producer, cutting_producer, consumer):
-    prompt, expected = _fresh(producer, "gone")
-    params = _prefill(cutting_producer.url, prompt)
-    cutting_producer.proc.send_signal(signal.SIGKILL)
-    cutting_producer.proc.wait(30)
-    computed = _counter(consumer.url, "prompt_tokens_computed")
-    out = _complete(consumer.url, params, prompt=prompt)
-    assert out["choices"][0]["text"] == expected
-    assert _counter(consumer.url, "prompt_tokens_computed") - computed == \
-        out["usage"]["prompt_tokens"]
+# ----- the field at the HTTP layer (a server without a connector: test_server_fields.py) -----
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def refused(r: httpx.Response, *words: str) -> str:
+    """The message of a 400 naming kv_transfer_params; each of ``words`` is in it."""
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "kv_transfer_params" and error["type"] == "invalid_request_error"
+    for word in words:
+        assert word in error["message"], error
+    return error["message"]
+
+
+def test_null_asks_for_nothing(consumer):
+    r = post(consumer, "/v1/completions", {**COMPLETION, "kv_transfer_params": None})
+    assert r.status_code == 200, r.text
+    assert "kv_transfer_params" not in r.json()  # no hand-off: the answer keeps its shape
+    r = post(consumer, "/v1/chat/completions", {**CHAT, "kv_transfer_params": None})
+    assert r.status_code == 200 and "kv_transfer_params" not in r.json()
+
+
+def test_malformed_values_are_refused(consumer):
+    for value in ("producer", [PREFILL], 1, True):
+        refused(post(consumer, "/v1/completions", {**COMPLETION, "kv_transfer_params": value}))
+    big = {**DECODE, "remote_block_ids": list(range(KV_TRANSFER_PARAMS_MAX_CHARS // 4))}
+    refused(post(consumer, "/v1/chat/completions", {**CHAT, "kv_transfer_params": big}),
+            "characters")
+    # checked whole, as every field is: no lone surrogate (valid JSON, not text)
+    raw = b'{"prompt": "x", "max_tokens": 1, "kv_transfer_params": {"a": "\\ud800"}}'
+    r = httpx.post(f"{consumer.url}/v1/completions", content=raw, timeout=60,
+                   headers={"content-type": "application/json"})
+    refused(r, "surrogate")
+
+
+def test_what_one_hand_off_cannot_name_is_refused(consumer):
+    several = {**COMPLETION, "prompt": ["Once", "Twice"], "kv_transfer_params": DECODE}
+    refused(post(consumer, "/v1/completions", several), "single prompt")
+    ids = {**COMPLETION, "prompt": [[1, 2, 3], [4, 5]], "kv_transfer_params": DECODE}
+    refused(post(consumer, "/v1/completions", ids), "single prompt")
+    refused(post(consumer, "/v1/chat/completions", {**CHAT, "n": 2, "kv_transfer_params": PREFILL}),
+            "n=1")
+    refused(post(consumer, "/v1/completions",
+                 {**COMPLETION, "stream": True, "kv_transfer_params": PREFILL}), "stream=false")
+
+
+def test_the_responses_api_refuses_it(consumer):
+    r = post(consumer, "/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 3,
+                                        "kv_transfer_params": DECODE})
+    refused(r, "not supported")
+    r = post(consumer, "/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 3,
+                                        "kv_transfer_params": None})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("outputs, expected", [
+    ([SimpleNamespace(kv_transfer_params=None)], None),
+    ([SimpleNamespace(kv_transfer_params=DECODE)], DECODE),
+])
+def test_the_answer_carries_the_connectors_params(outputs, expected):
+    body = with_kv_transfer({"id": "x", "choices": []}, outputs)
+    assert body.get("kv_transfer_params", None) == expected
+    assert ("kv_transfer_params" in body) == (expected is not None)

@@ -1,6 +1,7 @@
-"""KV connectors under tensor parallelism, on the tiny random model of test_distributed.py: each
-rank moves its own shard of every block (its KV heads) and the engine hears of a load once
-every rank is done. Float32, where two ranks give one process's tokens."""
+"""KV connectors in engines built on the tiny random model of test_distributed.py (float32,
+where every layout gives one process's tokens): a transfer cut mid-way or a producer gone
+before the pull is recomputed to the same tokens; under tensor parallelism each rank moves its
+own shard of every block and the engine hears of a load once every rank is done."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from tokenmill.engine.llm_engine import LLMEngine
 # loads the real model or starts servers / ranks: not in the fast loop
 pytestmark = pytest.mark.slow
 
-BASE = dict(dtype="float32", block_size=4, max_model_len=128, num_blocks=64,
-            tensor_parallel_size=2)
+BASE = dict(dtype="float32", block_size=4, max_model_len=128, num_blocks=64)
+TP2 = dict(tensor_parallel_size=2)
 PROMPT = list(b"The lighthouse keeper found a bottle between the rocks.")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -43,7 +44,7 @@ def _generate(engine: LLMEngine, request_id: str, params: SamplingParams = GREED
 
 
 def test_the_disk_tier_under_tensor_parallel_ranks(tiny, tmp_path):
-    engine = _engine(tiny, kv_offload="disk", kv_offload_size=16 << 20,
+    engine = _engine(tiny, **TP2, kv_offload="disk", kv_offload_size=16 << 20,
                      kv_offload_dir=str(tmp_path))
     try:
         first = _generate(engine, "a")
@@ -65,8 +66,8 @@ def test_the_disk_tier_under_tensor_parallel_ranks(tiny, tmp_path):
 
 
 def test_prefill_and_decode_instances_with_two_ranks_each(tiny):
-    producer = _engine(tiny, kv_role="producer", kv_transfer_port=free_port())
-    consumer = _engine(tiny, kv_role="consumer")
+    producer = _engine(tiny, **TP2, kv_role="producer", kv_transfer_port=free_port())
+    consumer = _engine(tiny, **TP2, kv_role="consumer")
     try:
         reference = _generate(producer, "whole")
         hand_over = _generate(producer, "prefill", SamplingParams(temperature=0.0, max_tokens=1),
@@ -89,3 +90,47 @@ def test_prefill_and_decode_instances_with_two_ranks_each(tiny):
     assert stats.external_cache_hits == len(PROMPT) - 1
     assert stats.kv_tiers["p2p"].hits == 2 * -(-(len(PROMPT) - 1) // 4)  # both ranks' shards
     assert held == 0
+
+
+def _hand_over(producer: LLMEngine) -> dict:
+    out = _generate(producer, "prefill", SamplingParams(temperature=0.0, max_tokens=1),
+                    {"do_remote_decode": True})
+    return out.kv_transfer_params
+
+
+def test_a_transfer_cut_mid_way_keeps_what_arrived_and_recomputes_the_rest(tiny):
+    producer = _engine(tiny, kv_role="producer", kv_test_fail_after_blocks=2)
+    consumer = _engine(tiny, kv_role="consumer", kv_pull_timeout=1.0)
+    try:
+        reference = _generate(consumer, "whole")
+        consumer.flush_prefix_cache()
+        params = _hand_over(producer)
+        computed = consumer.stats().num_prompt_tokens_computed
+        decoded = _generate(consumer, "decode", kv_transfer_params=params)
+        stats = consumer.stats()
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+    assert decoded.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert stats.num_prompt_tokens_computed - computed == len(PROMPT) - 2 * 4
+    assert decoded.num_cached_tokens == 2 * 4
+    assert stats.kv_tiers["p2p"].misses > 0
+
+
+def test_a_producer_gone_before_the_pull_is_recomputed(tiny):
+    producer = _engine(tiny, kv_role="producer")
+    consumer = _engine(tiny, kv_role="consumer", kv_pull_timeout=1.0)
+    try:
+        reference = _generate(consumer, "whole")
+        consumer.flush_prefix_cache()
+        params = _hand_over(producer)
+        producer.shutdown()  # its side channel closes: the pull finds nobody
+        computed = consumer.stats().num_prompt_tokens_computed
+        decoded = _generate(consumer, "decode", kv_transfer_params=params)
+        stats = consumer.stats()
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+    assert decoded.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert stats.num_prompt_tokens_computed - computed == len(PROMPT)
+    assert decoded.num_cached_tokens == 0
