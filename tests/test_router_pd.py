@@ -236,6 +236,26 @@ def test_workers_health_and_metrics_show_both_pools(router, fakes):
     assert metric(router, "tokenmill_router_pd_prefill_seconds_count") > 0
 
 
+def test_short_prompts_go_straight_to_a_decode_worker(tmp, fakes):
+    r = start_pd_router(tmp, [f.url for f in fakes["prefill"]], [f.url for f in fakes["decode"]],
+                        "--pd-min-prompt-tokens", "8")
+    try:
+        before = sum(f.state.requests for f in fakes["prefill"])
+        short = {"model": "m", "prompt": "short one", "max_tokens": 2}  # 9 characters: 2 tokens
+        got = httpx.post(f"{r.url}/v1/completions", json=short, timeout=30)
+        assert got.status_code == 200 and PREFILL not in got.headers
+        assert by_url(fakes, got.headers[WORKER]).state.received[-1] == short
+        assert sum(f.state.requests for f in fakes["prefill"]) == before
+        long = {"model": "m", "prompt": "a prompt of more than thirty-two characters",
+                "max_tokens": 2}
+        got = httpx.post(f"{r.url}/v1/completions", json=long, timeout=30)
+        assert got.status_code == 200
+        assert got.headers[PREFILL] in {f.url for f in fakes["prefill"]}
+        assert metric(r, "tokenmill_router_pd_direct_total") == 1
+    finally:
+        r.stop()
+
+
 # ----- failing prefill workers --------------------------------------------------------------------
 
 def test_a_failing_prefill_worker_is_retried_then_the_decode_worker_prefills(tmp):

@@ -31,9 +31,6 @@ from tokenmill.executor.worker import WorkerSpec
 
 logger = logging.getLogger("tokenmill.executor")
 
-# How long a step with no forward (the engine only polls the KV connector) waits for a load
-_IDLE_POLL_SECONDS = 0.005
-
 
 @dataclass(frozen=True)
 class RankInit:
@@ -136,6 +133,8 @@ def _layer_span(init: RankInit) -> list[int]:
 def _serve(init: RankInit, link: control.WorkerLink, worker, comm) -> None:
     import torch
 
+    from tokenmill.kv_transfer.worker import IDLE_POLL_SECONDS
+
     connector = worker.connector
     while True:
         message = link.receive()
@@ -152,7 +151,7 @@ def _serve(init: RankInit, link: control.WorkerLink, worker, comm) -> None:
         if logits is not None:
             link.send_logits(message.step, logits)
         if connector is not None:  # every step, so the engine knows when all ranks answered
-            report = connector.get_finished(wait=0.0 if message.chunks else _IDLE_POLL_SECONDS)
+            report = connector.get_finished(wait=0.0 if message.chunks else IDLE_POLL_SECONDS)
             link.send(control.Message("kv", rank=init.rank, step=message.step, kv=report))
 
 

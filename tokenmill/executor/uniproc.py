@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.executor.base import Executor, ExecutorError
 from tokenmill.executor.worker import Worker, WorkerSpec, build_worker
-
+from tokenmill.kv_transfer.worker import IDLE_POLL_SECONDS
 from tokenmill.sched.output import ModelOutput
 
 if TYPE_CHECKING:
@@ -15,9 +15,6 @@ if TYPE_CHECKING:
     from tokenmill.runner.model_runner import ModelRunner
     from tokenmill.runner.rows import RowMasks
     from tokenmill.sched.output import SchedulerOutput
-
-# How long a step with no forward (only loads in flight) waits for one to finish
-_IDLE_POLL_SECONDS = 0.005
 
 
 class UniProcExecutor(Executor):
@@ -60,7 +57,7 @@ class UniProcExecutor(Executor):
             else ModelOutput()
         # a step that only waits for loads polls briefly rather than spin the loop
         result.kv_connector_output = self.connector.get_finished(
-            wait=0.0 if out.scheduled else _IDLE_POLL_SECONDS)
+            wait=0.0 if out.scheduled else IDLE_POLL_SECONDS)
         return result
 
     def kv_connector_info(self) -> dict[str, Any] | None:

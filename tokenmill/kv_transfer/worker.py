@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill.kv_transfer")
 
 _STOP = object()
+# How long a step that runs no forward (the engine only waits for loads or pulls) waits for one
+# to finish before it returns: the engine's loop polls instead of spinning.
+IDLE_POLL_SECONDS = 0.005
 
 
 class ConnectorWorker(KVConnectorWorker):

@@ -55,6 +55,10 @@ _FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-running-models", "max_running_models",
      dict(type=int, metavar="N", help="with --models: models running at once (least recently "
                                       "used idle ones are stopped)")),
+    ("--pd-min-prompt-tokens", "pd_min_prompt_tokens",
+     dict(type=int, metavar="N", help="with --pd: prompts shorter than this many tokens (4 "
+                                      "characters a token when the policy does not tokenize) "
+                                      "go straight to a decode worker")),
     ("--log-level", "log_level",
      dict(choices=["critical", "error", "warning", "info", "debug"], help="log level")),
 ]

@@ -50,9 +50,15 @@ class RouterConfig:
     prefill_workers: tuple[str, ...] = ()
     decode_workers: tuple[str, ...] = ()
     decode_policy: str = "least_load"
+    # PD mode: a prompt shorter than this (tokens; 4 characters a token when only text is
+    # known) goes straight to a decode worker, which computes it: a hand-over costs more than
+    # a short prefill, and short prompts are what queues behind long ones on a prefill worker
+    pd_min_prompt_tokens: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        if self.pd_min_prompt_tokens < 0:
+            raise ValueError("pd_min_prompt_tokens must be >= 0")
         if not self.pd:
             if self.prefill_workers or self.decode_workers:
                 raise ValueError("prefill and decode workers need PD mode (--pd)")

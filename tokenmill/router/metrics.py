@@ -85,6 +85,9 @@ class RouterMetrics:
         self.pd_fallbacks = Counter("tokenmill_router_pd_fallbacks", "PD mode: requests sent "
                                     "to a decode worker without a KV hand-off (it computes the "
                                     "prompt itself), by why.", ["reason"], registry=r)
+        self.pd_direct = Counter("tokenmill_router_pd_direct", "PD mode: prompts shorter than "
+                                 "--pd-min-prompt-tokens, sent straight to a decode worker.",
+                                 registry=r)
         self.pd_prefill = Histogram("tokenmill_router_pd_prefill_seconds", "PD mode: the "
                                     "prefill step of a request, arrival to the hand-off (or "
                                     "the fallback).", buckets=_LATENCY_BUCKETS, registry=r)

@@ -18,8 +18,9 @@ answer carried no kv_transfer_params, or the worker refused the hand-off itself 
 ``kv_transfer_params``: not started as a producer) -- the decode worker gets the plain request
 and computes the prompt itself, counted in ``tokenmill_router_pd_fallbacks_total``: slower,
 never wrong. Any other 4xx of a prefill worker is the client's mistake, and is its answer.
-Other routes, and a batch of prompts (several engine requests, no single hand-off), go to
-the decode workers whole.
+Other routes, a batch of prompts (several engine requests, no single hand-off), and prompts
+shorter than ``--pd-min-prompt-tokens`` (a short prefill costs less than a hand-over, and would
+queue behind long ones on a prefill worker) go to the decode workers whole.
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ class PDProxy:
             return await self.decode.handle(request)
         assert payload is not None
         key = route_key(payload, request.url.path)
+        if self._short(key):
+            self.metrics.pd_direct.inc()
+            return await self.decode.handle(request)
         refused = await self.decode.ensure_model(key.model)
         if refused is not None:
             return self.decode.answer(refused, started)
@@ -142,6 +146,14 @@ class PDProxy:
         if handoff.worker is not None:
             response.headers[PREFILL_HEADER] = handoff.worker
         return response
+
+    def _short(self, key: RouteKey) -> bool:
+        """A prompt under ``pd_min_prompt_tokens`` (counted, or 4 characters a token)."""
+        limit = self.prefill.cfg.pd_min_prompt_tokens
+        if not limit:
+            return False
+        n = len(key.token_ids) if key.token_ids is not None else len(key.text) // 4
+        return n < limit
 
     async def prefill_step(self, request: Request, payload: dict[str, Any], key: RouteKey,
                            started: float) -> Handoff:
