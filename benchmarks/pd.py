@@ -116,11 +116,11 @@ def start_serve(name: str, model: str, threads: int, cores: Sequence[int] | None
     return spawn(name, cmd, port, cores, log_prefix=log_prefix)
 
 
-def start_pd_router(prefill: Server, decode: Server) -> Server:
+def start_pd_router(prefill: Server, decode: Server, extra: Sequence[str] = ()) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "tokenmill.cli", "router", "--pd", "--prefill", prefill.url,
            "--decode", decode.url, "--policy", "round_robin", "--port", str(port),
-           "--log-level", "warning"]
+           "--log-level", "warning", *extra]
     return spawn("router", cmd, port, timeout_s=120)
 
 
@@ -343,7 +343,7 @@ def start_setup(name: str, args: argparse.Namespace) -> tuple[list[Server], Serv
                                    [*extra, "--kv-role", "producer"]))
         started.append(start_serve("consumer", args.model, 1, second,
                                    [*extra, "--kv-role", "consumer"]))
-        started.append(start_pd_router(started[0], started[1]))
+        started.append(start_pd_router(started[0], started[1], args.router_args.split()))
     except BaseException:
         for s in reversed(started):
             s.stop()
@@ -443,6 +443,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
                     help="flags for every tokenmill serve")
+    ap.add_argument("--router-args", default="",
+                    help="more flags of the pd setup's router, e.g. '--pd-min-prompt-tokens 256'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
