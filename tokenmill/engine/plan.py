@@ -12,7 +12,7 @@ plan for a machine it does not have (``Machine.described("avx2")``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig
@@ -144,7 +144,16 @@ class ExecutionPlan:
             "cpu_step": self.cpu_step, "cuda_graphs": self.cuda_graphs,
             "speculative": self.speculative or "off",
             "parallel": self._describe_parallel(),
+            "kv_transfer": self._describe_kv_transfer(),
         }
+
+    def _describe_kv_transfer(self) -> dict[str, Any] | str:
+        """The KV connector asked for: its settings that are not their defaults."""
+        kv = self.kv_transfer
+        if not kv.enabled:
+            return "off"
+        return {f.name: getattr(kv, f.name) for f in fields(kv)
+                if getattr(kv, f.name) != f.default}
 
     def _describe_parallel(self) -> dict[str, Any] | str:
         p = self.parallel
