@@ -84,3 +84,33 @@ def test_other_tokens_under_a_key_are_a_miss():
         assert _finished(worker, "r").failed_recving == {"r": 0}
     finally:
         worker.shutdown()
+
+
+def test_a_disk_slower_than_the_blocks_skips_writes_rather_than_queue_them(tmp_path,
+                                                                            monkeypatch):
+    from tokenmill.kv_transfer import worker as worker_module
+
+    io = BlockIO(_caches(3))
+    monkeypatch.setattr(worker_module, "MAX_PENDING_WRITE_BYTES", 2 * io.block_nbytes)
+    disk = DiskStore(str(tmp_path), {"model": "tiny"})
+    release = __import__("threading").Event()
+    real_put = disk.put
+
+    def slow_put(key, tokens, data):  # the disk: stuck until released
+        release.wait(10)
+        return real_put(key, tokens, data)
+
+    monkeypatch.setattr(disk, "put", slow_put)
+    worker = ConnectorWorker(io, {"disk": disk})
+    try:
+        worker.start_step(KVConnectorMetadata((
+            SaveBlocks((41, 42, 43, 44), (1, 2, 3, 4), TOKENS, "disk"),)))
+        assert worker._pending_bytes <= 2 * io.block_nbytes  # two queued, the rest skipped
+        release.set()
+        worker.start_step(KVConnectorMetadata((
+            LoadBlocks("r", (41, 42, 43), (5, 6, 7), TOKENS[:3], ("disk",) * 3),)))
+        assert _finished(worker, "r").failed_recving == {"r": 2}  # the third was never written
+    finally:
+        release.set()
+        worker.shutdown()
+    assert worker._pending_bytes == 0

@@ -40,6 +40,8 @@ _STOP = object()
 # How long a step that runs no forward (the engine only waits for loads or pulls) waits for one
 # to finish before it returns: the engine's loop polls instead of spinning.
 IDLE_POLL_SECONDS = 0.005
+# Disk writes queued at most (bytes of blocks): past it new ones are skipped, not queued
+MAX_PENDING_WRITE_BYTES = 1 << 30
 
 
 class ConnectorWorker(KVConnectorWorker):
@@ -55,7 +57,9 @@ class ConnectorWorker(KVConnectorWorker):
         self.sender = sender
         self.receiver = receiver
         self._pending: dict[int, tuple[tuple[int, ...], bytes]] = {}  # disk writes queued
+        self._pending_bytes = 0
         self._pending_lock = threading.Lock()
+        self._last_backlog_warning = -float("inf")
         self._done = threading.Condition()
         self._finished: set[str] = set()
         self._failed: dict[str, int] = {}
@@ -101,9 +105,31 @@ class ConnectorWorker(KVConnectorWorker):
             self._queue_write(key, tokens, row.tobytes())
 
     def _queue_write(self, key: int, tokens: tuple[int, ...], data: bytes) -> None:
+        """A disk write for the writer thread; past ``MAX_PENDING_WRITE_BYTES`` queued (a disk
+        slower than the blocks come) it is skipped: a later load of the block is a miss and
+        computes it, where an unbounded queue would grow until memory ran out."""
         with self._pending_lock:
+            if self._pending_bytes + len(data) > MAX_PENDING_WRITE_BYTES:
+                self._warn_backlog()
+                return
+            self._unpend(key)
             self._pending[key] = (tokens, data)
+            self._pending_bytes += len(data)
         self._writes.put(("put", key, tokens, data))
+
+    def _unpend(self, key: int, entry: tuple | None = None) -> None:
+        """Forget a queued write (only ``entry``, when given); under ``_pending_lock``."""
+        current = self._pending.get(key)
+        if current is not None and (entry is None or current is entry):
+            del self._pending[key]
+            self._pending_bytes -= len(current[1])
+
+    def _warn_backlog(self) -> None:
+        now = time.monotonic()
+        if now - self._last_backlog_warning > 60:
+            self._last_backlog_warning = now
+            logger.warning("the disk tier's writes are %d MiB behind: new blocks are not "
+                           "written until it catches up", self._pending_bytes >> 20)
 
     def _move(self, op: MoveBlocks) -> None:
         src = self.stores[op.src]  # the host tier: the only one above another
@@ -119,7 +145,7 @@ class ConnectorWorker(KVConnectorWorker):
             return
         for key in op.keys:
             with self._pending_lock:
-                self._pending.pop(key, None)
+                self._unpend(key)
             self._writes.put(("delete", key, (), b""))
 
     @staticmethod
@@ -170,8 +196,7 @@ class ConnectorWorker(KVConnectorWorker):
             return  # dropped or written again since: the later op decides
         disk.put(key, tokens, data)
         with self._pending_lock:
-            if self._pending.get(key) is current:
-                del self._pending[key]
+            self._unpend(key, current)
 
     def _load(self, op: LoadBlocks | PullBlocks) -> None:
         good = 0
