@@ -124,7 +124,6 @@ def test_a_failed_load_forgets_the_block_that_failed():
     (dict(kv_offload_dir="/tmp/x"), "only with --kv-offload disk"),
     (dict(kv_offload="host", kv_offload_size=1 << 30, kv_offload_host_size=1 << 20),
      "--kv-offload-host-size"),
-    (dict(kv_role="consumer", kv_offload="host", kv_offload_size=1 << 30), "combined"),
     (dict(kv_role="decoder"), "kv_role"),
     (dict(kv_offload="host", kv_offload_size=1 << 30, enable_prefix_caching=False),
      "--no-prefix-cache"),

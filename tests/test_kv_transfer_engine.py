@@ -28,7 +28,7 @@ def tiny(tmp_path_factory) -> str:
 
 
 def _engine(model: str, **options) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig.from_options(model, **BASE, **options))
+    return LLMEngine.from_config(EngineConfig.from_options(model, **{**BASE, **options}))
 
 
 def _generate(engine: LLMEngine, request_id: str, params: SamplingParams = GREEDY,
@@ -134,3 +134,30 @@ def test_a_producer_gone_before_the_pull_is_recomputed(tiny):
     assert decoded.outputs[0].token_ids == reference.outputs[0].token_ids
     assert stats.num_prompt_tokens_computed - computed == len(PROMPT)
     assert decoded.num_cached_tokens == 0
+
+
+def test_a_consumer_with_a_host_tier_keeps_what_it_pulled(tiny):
+    """--kv-role with --kv-offload: the pulled prompt's blocks, evicted later, come back from
+    the consumer's own host tier."""
+    producer = _engine(tiny, kv_role="producer")
+    consumer = _engine(tiny, kv_role="consumer", num_blocks=40, kv_offload="host",
+                       kv_offload_size=8 << 20)
+    try:
+        params = _hand_over(producer)
+        pulled = _generate(consumer, "decode", kv_transfer_params=params)
+        for i in range(2):  # two other prompts push the pulled blocks out of the KV cache
+            filler = [(7 * i + 3 * j) % 250 for j in range(100)]
+            consumer.add_request(f"filler-{i}", filler, GREEDY)
+            while consumer.has_unfinished_requests():
+                consumer.step()
+        stats = consumer.stats()
+        again = _generate(consumer, "again")
+        after = consumer.stats()
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+    assert stats.kv_tiers["host"].blocks_saved > 0
+    assert again.outputs[0].token_ids == pulled.outputs[0].token_ids
+    assert again.num_cached_tokens == (len(PROMPT) - 1) // 4 * 4
+    assert after.external_cache_hits > stats.external_cache_hits  # from the host tier
+    assert after.kv_tiers["host"].hits > 0

@@ -207,9 +207,6 @@ class KVTransferConfig:
         if self.kv_offload not in KV_OFFLOAD_TIERS:
             raise ValueError(f"kv_offload must be one of {', '.join(KV_OFFLOAD_TIERS)}, got "
                              f"{self.kv_offload!r} (--kv-offload)")
-        if self.kv_role is not None and self.kv_offload != "none":
-            raise ValueError("--kv-role and --kv-offload cannot be combined yet: one KV "
-                             "connector per engine")
         if self.kv_offload == "disk" and not self.kv_offload_dir:
             raise ValueError("--kv-offload disk needs a directory (--kv-offload-dir)")
         if self.kv_offload != "none" and not self.kv_offload_size:

@@ -90,12 +90,24 @@ def worker_connector_info(worker: ConnectorWorker, cfg: KVTransferConfig) -> dic
 
 def build_scheduler_connector(cfg: KVTransferConfig, block_size: int,
                               info: Mapping[str, Any], tp_size: int = 1) -> KVConnectorScheduler:
-    if cfg.kv_role is not None:  # the config refuses a role with offload tiers
+    pd = offload = None
+    if cfg.kv_role is not None:
         from tokenmill.kv_transfer.pd import PDScheduler
 
-        return PDScheduler(cfg.kv_role, block_size, host=info.get("host", "127.0.0.1"),
-                           port=info.get("port", 0), timeout=cfg.kv_transfer_timeout,
-                           tp_size=tp_size)
+        pd = PDScheduler(cfg.kv_role, block_size, host=info.get("host", "127.0.0.1"),
+                         port=info.get("port", 0), timeout=cfg.kv_transfer_timeout,
+                         tp_size=tp_size)
+    if cfg.kv_offload != "none":
+        offload = _offload_scheduler(cfg, block_size, info)
+    if pd is not None and offload is not None:
+        from tokenmill.kv_transfer.multi import PDWithOffload
+
+        return PDWithOffload(pd, offload)
+    return pd or offload
+
+
+def _offload_scheduler(cfg: KVTransferConfig, block_size: int,
+                       info: Mapping[str, Any]) -> KVConnectorScheduler:
     from tokenmill.kv_transfer.offload import OffloadScheduler
 
     nbytes = info["block_nbytes"]
