@@ -98,13 +98,20 @@ def _hand_over(producer: LLMEngine) -> dict:
     return out.kv_transfer_params
 
 
-def test_a_transfer_cut_mid_way_keeps_what_arrived_and_recomputes_the_rest(tiny):
-    producer = _engine(tiny, kv_role="producer", kv_test_fail_after_blocks=2)
+@pytest.mark.parametrize("producer_options, gone, arrived", [
+    (dict(kv_test_fail_after_blocks=2), False, 2),  # cut mid-way: the 2 blocks that came stay
+    ({}, True, 0),  # the producer shut down before the pull: its side channel finds nobody
+], ids=["cut-mid-way", "producer-gone"])
+def test_a_failed_transfer_keeps_what_arrived_and_recomputes_the_rest(tiny, producer_options,
+                                                                      gone, arrived):
+    producer = _engine(tiny, kv_role="producer", **producer_options)
     consumer = _engine(tiny, kv_role="consumer", kv_pull_timeout=1.0)
     try:
         reference = _generate(consumer, "whole")
         consumer.flush_prefix_cache()
         params = _hand_over(producer)
+        if gone:
+            producer.shutdown()
         computed = consumer.stats().num_prompt_tokens_computed
         decoded = _generate(consumer, "decode", kv_transfer_params=params)
         stats = consumer.stats()
@@ -112,28 +119,9 @@ def test_a_transfer_cut_mid_way_keeps_what_arrived_and_recomputes_the_rest(tiny)
         producer.shutdown()
         consumer.shutdown()
     assert decoded.outputs[0].token_ids == reference.outputs[0].token_ids
-    assert stats.num_prompt_tokens_computed - computed == len(PROMPT) - 2 * 4
-    assert decoded.num_cached_tokens == 2 * 4
+    assert stats.num_prompt_tokens_computed - computed == len(PROMPT) - arrived * 4
+    assert decoded.num_cached_tokens == arrived * 4
     assert stats.kv_tiers["p2p"].misses > 0
-
-
-def test_a_producer_gone_before_the_pull_is_recomputed(tiny):
-    producer = _engine(tiny, kv_role="producer")
-    consumer = _engine(tiny, kv_role="consumer", kv_pull_timeout=1.0)
-    try:
-        reference = _generate(consumer, "whole")
-        consumer.flush_prefix_cache()
-        params = _hand_over(producer)
-        producer.shutdown()  # its side channel closes: the pull finds nobody
-        computed = consumer.stats().num_prompt_tokens_computed
-        decoded = _generate(consumer, "decode", kv_transfer_params=params)
-        stats = consumer.stats()
-    finally:
-        producer.shutdown()
-        consumer.shutdown()
-    assert decoded.outputs[0].token_ids == reference.outputs[0].token_ids
-    assert stats.num_prompt_tokens_computed - computed == len(PROMPT)
-    assert decoded.num_cached_tokens == 0
 
 
 def test_a_consumer_with_a_host_tier_keeps_what_it_pulled(tiny):
