@@ -85,7 +85,6 @@ class OffloadScheduler(QueuedOpsScheduler):
         self._loads: dict[str, tuple[int, ...]] = {}  # request id -> keys it pinned
         self._hashes: dict[str, tuple[int, tuple[int, ...]]] = {}  # request -> (tokens, keys)
         self._stats: dict[str, TierStats] = {}
-        self.num_loaded_tokens = 0  # tokens admitted as tier hits
 
     # ----- the radix cache's listener -----------------------------------------------------
 
@@ -194,7 +193,6 @@ class OffloadScheduler(QueuedOpsScheduler):
                        for i in range(first, last))
         self._ops.append(LoadBlocks(request.request_id, keys, tuple(block_ids[first:last]),
                                     tokens, tuple(tier.name for tier in tiers)))
-        self.num_loaded_tokens += num_external_tokens
 
     # ----- each step ----------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ class KVReceiver:
             logger.warning("KV transfer: pull of request %s skipped (%d local, %d remote "
                            "blocks%s)", op.request_id, total, len(op.remote_block_ids),
                            ", receiver closed" if self._closed else "")
+            self._count(0, total, 0.0)
             return 0
         started = time.monotonic()
         state: _PullState | None = None

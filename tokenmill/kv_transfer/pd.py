@@ -88,7 +88,6 @@ class PDScheduler(QueuedOpsScheduler):
         self._pulling: set[str] = set()  # consumer: pulls not reported yet
         self._tried: set[str] = set()  # consumer: pulled once (a readmission recomputes)
         self._stats: dict[str, TierStats] = {}
-        self.num_pulled_tokens = 0
 
     # ----- consumer -----------------------------------------------------------------------
 
@@ -129,7 +128,6 @@ class PDScheduler(QueuedOpsScheduler):
             tuple(block_ids[first:last]), params["remote_host"], params["remote_port"],
             str(params.get("remote_engine_id") or "")))
         self._pulling.add(request.request_id)
-        self.num_pulled_tokens += num_external_tokens
 
     # ----- producer -----------------------------------------------------------------------
 

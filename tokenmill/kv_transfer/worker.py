@@ -64,7 +64,6 @@ class ConnectorWorker(KVConnectorWorker):
         self._finished: set[str] = set()
         self._failed: dict[str, int] = {}
         self._in_flight = 0  # loads and pulls queued or running
-        self._pull_stats = TierStats()
         self._writes: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
         self._threads = [threading.Thread(target=self._run, args=(q, fn), daemon=True, name=n)
@@ -167,10 +166,13 @@ class ConnectorWorker(KVConnectorWorker):
         return out
 
     def _tier_stats(self) -> dict[str, TierStats]:
-        tiers = {name: store.stats for name, store in self.stores.items()}
-        if self.receiver is not None or self.sender is not None:
-            tiers["p2p"] = self._pull_stats
-        return {name: TierStats(**vars(stats)) for name, stats in tiers.items()}
+        tiers = {name: TierStats(**vars(store.stats)) for name, store in self.stores.items()}
+        ends = [end.stats for end in (self.receiver, self.sender) if end is not None]
+        if ends:  # the pulls' counts and the sends', as each end keeps them
+            p2p = tiers["p2p"] = TierStats()
+            for stats in ends:
+                p2p.add(stats)
+        return tiers
 
     # ----- the threads --------------------------------------------------------------------
 
@@ -212,14 +214,7 @@ class ConnectorWorker(KVConnectorWorker):
                 self._done.notify_all()
 
     def _pull(self, op: PullBlocks) -> int:
-        start = time.perf_counter()
-        good = self._require(self.receiver, "pull").pull(op)
-        stats = self._pull_stats
-        stats.hits += good
-        stats.misses += len(op.block_ids) - good
-        stats.bytes_loaded += good * self.io.block_nbytes
-        stats.load_seconds += time.perf_counter() - start
-        return good
+        return self._require(self.receiver, "pull").pull(op)  # which counts it
 
     def _load_tiers(self, op: LoadBlocks) -> int:
         rows: list[bytes | memoryview] = []
