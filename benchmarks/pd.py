@@ -59,7 +59,7 @@ from prometheus_client.parser import text_string_to_metric_families
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from machine import machine  # noqa: E402
-from router import Proc  # noqa: E402
+from router import Proc, wait_healthy  # noqa: E402
 
 from tokenmill.bench.workloads import random_text  # noqa: E402
 from tokenmill.router.replicas import free_port  # noqa: E402
@@ -93,19 +93,7 @@ def spawn(name: str, cmd: list[str], port: int, cores: Sequence[int] | None = No
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True, preexec_fn=pin)
     server = Server(name, popen, f"http://127.0.0.1:{port}", log, list(cores) if cores else None)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{name} exited with {popen.returncode} ({log}):\n{tail}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    server.stop()
-    raise RuntimeError(f"{name}: no answer on /health within {timeout_s:.0f} s ({log})")
+    return wait_healthy(server, timeout_s)
 
 
 def start_serve(name: str, model: str, threads: int, cores: Sequence[int] | None,

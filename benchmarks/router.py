@@ -37,6 +37,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import TypeVar
 from pathlib import Path
 
 import aiohttp
@@ -86,6 +87,9 @@ class Proc:
             self.popen.wait(10)
 
 
+P = TypeVar("P", bound=Proc)
+
+
 def spawn(name: str, cmd: list[str], port: int, timeout_s: float = 600.0,
           health: str = "/health") -> Proc:
     """Start ``cmd`` and wait until ``health`` answers 200; its output goes to a log file."""
@@ -93,12 +97,18 @@ def spawn(name: str, cmd: list[str], port: int, timeout_s: float = 600.0,
     with open(log, "w") as out:
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)
-    proc = Proc(name, popen, f"http://127.0.0.1:{port}", log)
+    return wait_healthy(Proc(name, popen, f"http://127.0.0.1:{port}", log), timeout_s, health)
+
+
+def wait_healthy(proc: P, timeout_s: float, health: str = "/health") -> P:
+    """``proc`` once ``health`` answers 200; stopped, and an error with its log's tail, when it
+    exits or stays silent for ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{name} exited with {popen.returncode} ({log}):\n{tail}")
+        if proc.popen.poll() is not None:
+            tail = proc.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} "
+                               f"({proc.log}):\n{tail}")
         try:
             if httpx.get(proc.url + health, timeout=2).status_code == 200:
                 return proc
@@ -106,7 +116,8 @@ def spawn(name: str, cmd: list[str], port: int, timeout_s: float = 600.0,
             pass
         time.sleep(0.2)
     proc.stop()
-    raise RuntimeError(f"{name}: no answer on {health} within {timeout_s:.0f} s ({log})")
+    raise RuntimeError(f"{proc.name}: no answer on {health} within {timeout_s:.0f} s "
+                       f"({proc.log})")
 
 
 def start_fake(index: int, model: str) -> Proc:
