@@ -84,6 +84,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters over the base model (``model/lora/``, ``runner/lora.py``): up to
+    ``max_loras`` adapters take part in one step, ``max_cpu_loras`` stay loaded (least recently
+    used evicted, reloaded from their files when asked for again)."""
+
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters active in one step (vLLM's max_loras)
+    max_cpu_loras: int | None = None  # adapters kept loaded; None: max(max_loras, 16)
+    max_lora_rank: int = 64  # an adapter of a higher rank is refused at load
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                             f"max_loras ({self.max_loras})")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None \
+            else max(self.max_loras, 16)
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (``tokenmill/speculative/``): a proposer drafts up to
     ``num_speculative_tokens`` tokens per sequence and step, verified in the target's forward."""
@@ -327,6 +353,8 @@ class EngineConfig:
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     # KV blocks moved to a decode instance or to host / disk tiers (off by default)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    # LoRA adapters served over the base model (off by default)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_events_config, dict):  # LLM(kv_events_config={...}), as vLLM's
@@ -370,7 +398,7 @@ def _check_json_type(what: str, value: Any, annotation: str) -> None:
 
 _SECTIONS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig,
                               "speculative": SpeculativeConfig, "parallel": ParallelConfig,
-                              "kv_transfer": KVTransferConfig}
+                              "kv_transfer": KVTransferConfig, "lora": LoRAConfig}
 _SPECULATIVE_METHODS = ("ngram", "draft", "layerskip")
 # speculative options that belong to one method; the others belong to every method
 _SPECULATIVE_OPTION_METHODS = {"prompt_lookup_min": ("ngram",), "prompt_lookup_max": ("ngram",),

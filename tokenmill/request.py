@@ -97,6 +97,27 @@ def stop_token_set(params: SamplingParams, eos_token_ids: Collection[int]) -> fr
     return frozenset((*params.stop_token_ids, *eos_token_ids))
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter a request runs under (vLLM's ``LoRARequest``): ``lora_name`` is what a
+    client names in ``model``, ``lora_int_id`` the engine's id for it (unique for the life of
+    the process, never reused after an unload), ``lora_path`` the PEFT directory. ``fingerprint``
+    identifies the adapter's weights (a hash of its files): it keys the prefix cache, so blocks
+    computed under one adapter never serve another, nor a different adapter later loaded under
+    the same name; empty until the engine registers the adapter."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    fingerprint: str = ""
+    base_model_name: str | None = None
+
+    @property
+    def cache_key(self) -> str:
+        """The prefix-cache namespace part for this adapter."""
+        return f"lora:{self.lora_name}:{self.fingerprint or self.lora_int_id}"
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence: its tokens and the scheduler's bookkeeping about it.
@@ -119,6 +140,7 @@ class Request:
     # KV connector; ``kv_transfer_out`` is what the connector answered when the sequence ended.
     kv_transfer_params: dict | None = None
     kv_transfer_out: dict | None = None
+    lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     # Owned by the scheduler from here on.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (or written this step)
@@ -139,6 +161,14 @@ class Request:
     def group_id(self) -> str:
         """The caller's request id, shared by all n sequences."""
         return self.parent_id if self.parent_id is not None else self.request_id
+
+    @property
+    def prefix_namespace(self) -> str | None:
+        """What prefix-cache entries are keyed by besides the tokens: the ``cache_salt`` and the
+        adapter. Without an adapter it is the salt alone, so base-model hashes are as before."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x1f{self.lora.cache_key}"
 
     @property
     def num_prompt_tokens(self) -> int:
