@@ -310,3 +310,24 @@ def test_router_benchmark_workloads_parse(tok):
             assert len(reqs) == rb.TINY.conversations and args.endpoint == "chat"
             assert all(len(r.turns) == rb.TINY.turns for r in reqs)
             assert len({r.system for r in reqs}) == 1 and reqs[0].system
+
+
+def test_lora_modules_spread_requests_over_adapters(tok):
+    """``--lora-modules``: each request names one adapter, drawn reproducibly from the seed, in
+    the body the client sends (completions and chat)."""
+    from tokenmill.bench.main import build_workload
+    from tokenmill.cli import build_parser
+
+    argv = ["bench", "serve", "--model", MODEL, "--num-prompts", "40", "--input-len", "8",
+            "--lora-modules", "a", "b", "c", "--seed", "3"]
+    args = build_parser().parse_args(argv)
+    reqs = build_workload(args, tok)
+    assert {r.model for r in reqs} == {"a", "b", "c"}
+    assert [r.model for r in build_workload(args, tok)] == [r.model for r in reqs]
+    client = BenchClient(RunConfig("http://127.0.0.1:1", MODEL), len)
+    try:
+        assert client._completion_body(reqs[0])["model"] == reqs[0].model
+        assert client._chat_body([], 4, "b")["model"] == "b"
+        assert client._completion_body(wl.BenchRequest(prompt="x"))["model"] == MODEL
+    finally:
+        asyncio.run(client.close())

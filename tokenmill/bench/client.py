@@ -95,15 +95,15 @@ class BenchClient:
             history.append({"role": "system", "content": req.system})
         for number, turn in enumerate(req.turns, 1):
             history.append({"role": "user", "content": turn})
-            res = await self.call(self._chat_body(history, req.output_len), "chat")
+            res = await self.call(self._chat_body(history, req.output_len, req.model), "chat")
             res.turn = number
             results.append(res)
             if not res.ok:
                 break
             history.append({"role": "assistant", "content": res.text})
 
-    def _common(self, output_len: int) -> dict:
-        body = {"model": self.cfg.model, "max_tokens": output_len, "stream": True,
+    def _common(self, output_len: int, model: str | None = None) -> dict:
+        body = {"model": model or self.cfg.model, "max_tokens": output_len, "stream": True,
                 "temperature": self.cfg.temperature,
                 "stream_options": {"include_usage": True}}
         if self.cfg.ignore_eos:
@@ -112,11 +112,13 @@ class BenchClient:
 
     def _completion_body(self, req: BenchRequest) -> dict:
         if self.cfg.endpoint == "chat":
-            return self._chat_body([{"role": "user", "content": req.prompt}], req.output_len)
-        return {**self._common(req.output_len), "prompt": req.prompt}
+            return self._chat_body([{"role": "user", "content": req.prompt}], req.output_len,
+                                   req.model)
+        return {**self._common(req.output_len, req.model), "prompt": req.prompt}
 
-    def _chat_body(self, messages: list[dict[str, str]], output_len: int) -> dict:
-        return {**self._common(output_len), "messages": list(messages)}
+    def _chat_body(self, messages: list[dict[str, str]], output_len: int,
+                   model: str | None = None) -> dict:
+        return {**self._common(output_len, model), "messages": list(messages)}
 
     async def call(self, body: dict, kind: str) -> CallResult:
         path = "/v1/chat/completions" if kind == "chat" or "messages" in body else "/v1/completions"

@@ -59,6 +59,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
     p.add_argument("--slo", default=None, help="e.g. ttft_ms=1000,tpot_ms=100")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server serves: each request names one, drawn at "
+                        "random (seeded by --seed)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -76,6 +79,13 @@ def _tokenizer(args: argparse.Namespace):
 
 
 def build_workload(args: argparse.Namespace, tok) -> list[wl.BenchRequest]:
+    reqs = _workload(args, tok)
+    if args.lora_modules:
+        wl.assign_models(reqs, args.lora_modules, args.seed)
+    return reqs
+
+
+def _workload(args: argparse.Namespace, tok) -> list[wl.BenchRequest]:
     vocab = tok.vocab_size
     if args.workload == "random":
         return wl.random_workload(tok, args.num_prompts, args.input_len, args.output_len,

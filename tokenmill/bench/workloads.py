@@ -27,10 +27,19 @@ class BenchRequest:
     system: str | None = None  # conversations: a system message sent before the first turn
     prompt_len: int = 0  # tokens of ``prompt`` (or of the first turn)
     output_len: int = 128
+    model: str | None = None  # the ``model`` it names (a LoRA adapter); None: the run's
 
     @property
     def is_conversation(self) -> bool:
         return bool(self.turns)
+
+
+def assign_models(reqs: list[BenchRequest], models: Sequence[str], seed: int) -> None:
+    """Each request names one of ``models`` (LoRA adapters), drawn uniformly and reproducibly
+    from ``seed``, as vLLM's serving benchmark spreads requests over ``--lora-modules``."""
+    rng = random.Random(seed)
+    for req in reqs:
+        req.model = rng.choice(models)
 
 
 def _lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
