@@ -29,7 +29,9 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 # ignores trailing fields it does not know, so the longest form reads everywhere.
 class BlockStored(KVCacheEvent, omit_defaults=False):
     """Whole blocks became reusable: ``block_hashes[i]`` holds ``token_ids[i*block_size:
-    (i+1)*block_size]``, the first one continuing ``parent_block_hash`` (None: a root)."""
+    (i+1)*block_size]``, the first one continuing ``parent_block_hash`` (None: a root).
+    ``lora_id`` / ``lora_name``: the LoRA adapter the KV was computed under (tokenmill's
+    ``LoRARequest.lora_int_id`` / ``lora_name``), None for the base model."""
 
     block_hashes: list[int]
     parent_block_hash: int | None

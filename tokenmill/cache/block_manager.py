@@ -24,6 +24,8 @@ Prefix caching (``cache/radix.py``): on admission ``acquire_cached_prefix`` star
 the cached blocks of the longest matching prefix (one more reference each, the tree path
 locked); ``free`` gives a finished or preempted sequence's full blocks to the tree before
 dropping its references. Free blocks = the pool's free queue + what the tree could evict.
+Entries are keyed by ``Request.prefix_namespace``: the cache salt and the LoRA adapter, so KV
+computed under one adapter never serves another adapter or the base model.
 
 Lookahead (a drafting model): before a step is scheduled, ``reserve_lookahead`` grows a
 running sequence's table over the positions its drafter is about to write (the draft model's
@@ -178,7 +180,7 @@ class KVBlockManager:
     def cached_prefix_len(self, request: Request) -> int:
         """Tokens of the request the cache holds now (what ``acquire_cached_prefix`` would take)."""
         tokens = request.token_ids_slice(0, self.cacheable_prefix_len(request))
-        return self.prefix_cache.match(tokens, request.cache_salt).num_tokens
+        return self.prefix_cache.match(tokens, request.prefix_namespace).num_tokens
 
     def acquire_cached_prefix(self, request: Request) -> int:
         """Start the (empty) table of ``request`` with its longest cached prefix, locked; returns
@@ -186,7 +188,7 @@ class KVBlockManager:
         if request.request_id in self._tables:
             raise CacheIntegrityError(f"{request.request_id!r} already holds blocks")
         tokens = request.token_ids_slice(0, self.cacheable_prefix_len(request))
-        handle = self.prefix_cache.match(tokens, request.cache_salt)
+        handle = self.prefix_cache.match(tokens, request.prefix_namespace)
         if not handle.blocks:
             return 0
         self.prefix_cache.lock(handle)
@@ -205,8 +207,9 @@ class KVBlockManager:
         if num_full * self.block_size <= (old.num_tokens if old else 0):
             return
         tokens = request.token_ids_slice(0, num_full * self.block_size)
-        self.prefix_cache.insert(tokens, table[:num_full], request.cache_salt)
-        handle = self.prefix_cache.match(tokens, request.cache_salt)
+        self.prefix_cache.insert(tokens, table[:num_full], request.prefix_namespace,
+                                 request.lora)
+        handle = self.prefix_cache.match(tokens, request.prefix_namespace)
         if not handle.blocks:  # the null cache
             return
         self.prefix_cache.lock(handle)
@@ -234,7 +237,8 @@ class KVBlockManager:
         num_full = min(num_cacheable_tokens // self.block_size, len(table))
         if num_full:
             tokens = request.token_ids_slice(0, num_full * self.block_size)
-            self.prefix_cache.insert(tokens, table[:num_full], request.cache_salt)
+            self.prefix_cache.insert(tokens, table[:num_full], request.prefix_namespace,
+                                     request.lora)
         handle = self._handles.pop(request.request_id, None)
         if handle is not None:
             self.prefix_cache.unlock(handle)

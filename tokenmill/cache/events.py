@@ -3,8 +3,8 @@
 A consumer (``tokenmill router``, Dynamo, llm-d) mirrors a worker's cache from its events, so
 every cached block needs a name that stays the same while the block stays cached, whatever the
 tree does to its nodes (a split keeps each block's hash). The name is a 64-bit hash chained on
-the parent block's, so equal tokens under different parents, or different ``cache_salt``s,
-never share one::
+the parent block's, so equal tokens under different parents, or different prefix-cache
+namespaces (``cache_salt`` and LoRA adapter, ``Request.prefix_namespace``), never share one::
 
     root block   h0 = blake2b8(salt?, tokens[0:bs])      parent_block_hash = None
     next block   h1 = blake2b8(h0, tokens[bs:2bs])       parent_block_hash = h0 (in BlockStored)
@@ -18,8 +18,12 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
+from typing import TYPE_CHECKING
 
 from tokenmill.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+if TYPE_CHECKING:
+    from tokenmill.request import LoRARequest
 
 # blake2b's personalisation keeps the three kinds of input apart: a root block without a salt,
 # a root block under a salt, and a block continuing a parent, can never hash the same bytes.
@@ -61,13 +65,17 @@ class CacheEventLog:
         self.record = record
         self._events: list[KVCacheEvent] = []
 
-    def stored(self, parent: int | None, tokens: Sequence[int],
-               salt: str | None) -> tuple[int, ...]:
+    def stored(self, parent: int | None, tokens: Sequence[int], salt: str | None,
+               lora: LoRARequest | None = None) -> tuple[int, ...]:
         """Log a new run of whole blocks continuing ``parent`` (None: at a root, under
-        ``salt``); returns their hashes, which the tree keeps beside the blocks."""
+        ``salt``), computed under ``lora`` (None: the base model); returns their hashes, which
+        the tree keeps beside the blocks."""
         hashes = chain_hashes(parent, tokens, self.block_size, salt)
         if self.record:
-            self._events.append(BlockStored(list(hashes), parent, list(tokens), self.block_size))
+            lora_id, lora_name = (None, None) if lora is None else (lora.lora_int_id,
+                                                                    lora.lora_name)
+            self._events.append(BlockStored(list(hashes), parent, list(tokens), self.block_size,
+                                            lora_id=lora_id, lora_name=lora_name))
         return hashes
 
     def removed(self, hashes: Sequence[int]) -> None:

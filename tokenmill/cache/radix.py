@@ -39,6 +39,7 @@ from tokenmill.cache.block_pool import BlockPool, CacheIntegrityError
 if TYPE_CHECKING:  # imported by enable_events: msgspec's import costs a cache without events
     from tokenmill.cache.events import CacheEventLog
     from tokenmill.kv_events import KVCacheEvent
+    from tokenmill.request import LoRARequest
 
 Salt = str | None
 CacheEntry = tuple[Salt, tuple[int, ...], tuple[int, ...]]  # salt, path tokens, path blocks
@@ -118,10 +119,12 @@ class PrefixCache(ABC):
         lock is left."""
 
     @abstractmethod
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: Salt = None) -> int:
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: Salt = None,
+               lora: LoRARequest | None = None) -> int:
         """Cache the full blocks ``blocks`` holding ``token_ids`` (whole blocks). Prefixes already
         cached keep their blocks (the caller's duplicates stay the caller's to free); new blocks
-        get one tree reference. Returns the number of blocks adopted."""
+        get one tree reference. Returns the number of blocks adopted. ``lora``: the adapter the
+        KV was computed under, which KV events name (the salt already keeps adapters apart)."""
 
     @abstractmethod
     def evict(self, num_blocks: int) -> int:
@@ -177,7 +180,8 @@ class NullPrefixCache(PrefixCache):
     def unlock(self, handle: PrefixHandle) -> None:
         pass
 
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: Salt = None) -> int:
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: Salt = None,
+               lora: LoRARequest | None = None) -> int:
         return 0
 
     def evict(self, num_blocks: int) -> int:
@@ -308,7 +312,8 @@ class RadixPrefixCache(PrefixCache):
 
     # ----- insert -----------------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: Salt = None) -> int:
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: Salt = None,
+               lora: LoRARequest | None = None) -> int:
         tokens = tuple(token_ids)
         if len(tokens) != len(blocks) * self.block_size:
             raise ValueError(f"{len(tokens)} tokens are not {len(blocks)} whole blocks")
@@ -320,7 +325,7 @@ class RadixPrefixCache(PrefixCache):
             child = node.children.get(self._block(tokens, done))
             if child is None:
                 self._add_leaf(node, tokens[done * self.block_size:], list(blocks[done:]), now,
-                               salt)
+                               salt, lora)
                 return len(blocks) - done
             same = self._common_blocks(child.key, tokens, done * self.block_size)
             if same < len(child.blocks):
@@ -331,13 +336,13 @@ class RadixPrefixCache(PrefixCache):
         return 0
 
     def _add_leaf(self, parent: _Node, key: tuple[int, ...], blocks: list[int], now: int,
-                  salt: Salt) -> None:
+                  salt: Salt, lora: LoRARequest | None) -> None:
         for block_id in blocks:
             self.pool.incref(block_id)
         leaf = _Node(key, blocks, parent, last_access=now)
         if self._log is not None:  # a root's children have no parent hash: the salt instead
             leaf.hashes = self._log.stored(parent.hashes[-1] if parent.hashes else None, key,
-                                           salt)
+                                           salt, lora)
         parent.children[key[:self.block_size]] = leaf
         if self._listener is not None:
             self._listener.blocks_cached(leaf.hashes, key, blocks)

@@ -11,11 +11,12 @@ prompt whose next blocks a tier holds loads them back instead of computing them.
                                                 or restart); an optional RAM tier in front
                                                 holds evicted blocks for faster reloads
 
-Blocks are named by the radix cache's chained hashes (``cache/events.py``; the salt enters the
-first), so a hit needs no token comparison here: the worker checks each block's stored tokens
-when it loads it. This side is the authority on what each tier holds (an ordered dict per
-tier, least recently used first); the workers only carry out the ops it emits, in order, so
-their stores mirror it exactly. A key a load still needs is pinned: no tier drops it first.
+Blocks are named by the radix cache's chained hashes (``cache/events.py``; the prefix-cache
+namespace, cache salt and LoRA adapter, enters the first), so a hit needs no token comparison
+here: the worker checks each block's stored tokens when it loads it. This side is the
+authority on what each tier holds (an ordered dict per tier, least recently used first); the
+workers only carry out the ops it emits, in order, so their stores mirror it exactly. A key
+a load still needs is pinned: no tier drops it first.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class OffloadScheduler(QueuedOpsScheduler):
         cached = self._hashes.get(request.request_id)
         if cached is None or cached[0] != n:
             keys = chain_hashes(None, request.token_ids_slice(0, n), self.block_size,
-                                request.cache_salt)
+                                request.prefix_namespace)
             cached = self._hashes[request.request_id] = (n, keys)
         return cached[1]
 

@@ -147,6 +147,10 @@ class SchedulerStats:
     num_loading: int = 0  # of num_running, the sequences waiting for a KV connector's load
     num_held: int = 0  # finished sequences whose blocks wait for a consumer to pull them
     external_cache_hits: int = 0  # tokens a KV connector filled at admission, total
+    # LoRA adapters (names, sorted) of running sequences (loading ones included) and of
+    # waiting ones (preempted included): vLLM's lora_requests_info
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -60,26 +60,32 @@ makes progress: no deadlock.
 A KV connector (``kv_remote.py``) may fill tokens past the cached prefix at admission (another
 instance's prefill, an offload tier): the sequence waits in ``running`` for the load, neither
 scheduled nor preempted. Finished sequences' blocks may stay held for a consumer to pull.
+
+LoRA (``max_loras``): at most that many distinct adapters among running sequences. A sequence
+whose adapter finds no slot is skipped, and after it only base-model sequences and those of
+running adapters that arrived before it are admitted in that step (``lora_slots.py``).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tokenmill.cache import CacheIntegrityError, KVBlockManager
-from tokenmill.cache.radix import NullPrefixCache
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.request import FinishReason, Request, RequestStatus, check_prompt, sequence_id
 from tokenmill.sched.kv_remote import RemoteKV
+from tokenmill.sched.lora_slots import AdapterSlots, adapter_names, check_max_loras
 from tokenmill.sched.output import (Sampled, ScheduledChunk, SchedulerOutput, SchedulerStats,
                                     SeqUpdate, num_matching_drafts, sampled_tokens)
 from tokenmill.sched.policy import (LPM_MAX_WAITING, get_policy, is_prefix_aware,
                                     longest_prefix_first)
 from tokenmill.sched.queue import RequestQueue
 from tokenmill.sched.shared_prefill import PrefillHolds
+from tokenmill.sched.stop import append_until_stop
 from tokenmill.sched.step_batch import Planned, StepBatch
 from tokenmill.util import cdiv
 
@@ -96,13 +102,16 @@ class Scheduler:
     """Owns the waiting and running queues and the KV block manager (built from ``cache_config``
     and ``num_blocks`` unless one is given). ``eos_token_ids`` are the model's; a request may
     override them with its own ``eos_token_ids``. ``connector``: a KV connector's scheduler
-    side, or None (nothing of it is then done, per step or per sequence)."""
+    side, or None (nothing of it is then done, per step or per sequence). ``max_loras``: the
+    distinct LoRA adapters running sequences may use at once (None: no limit)."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
                  num_blocks: int | None = None, block_manager: KVBlockManager | None = None,
-                 eos_token_ids: Iterable[int] = (),
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 eos_token_ids: Iterable[int] = (), connector: KVConnectorScheduler | None = None,
+                 max_loras: int | None = None) -> None:
         _check_config(scheduler_config)
+        check_max_loras(max_loras)
+        self.max_loras = max_loras
         self.config = scheduler_config
         self.block_manager = block_manager or _make_block_manager(cache_config, num_blocks)
         self.block_size = self.block_manager.block_size
@@ -228,6 +237,8 @@ class Scheduler:
             num_accepted_tokens=self.num_accepted_tokens,
             num_blocks=self.block_manager.pool.num_usable_blocks,
             num_cached_blocks=self.block_manager.prefix_cache.num_cached_blocks,
+            running_loras=adapter_names(self.running.loras),
+            waiting_loras=adapter_names(self.waiting.loras),
             **(self.remote_kv.counters() if self.remote_kv is not None else {}))
 
     def flush_prefix_cache(self) -> int:
@@ -328,30 +339,32 @@ class Scheduler:
         return max(0, min(len(request.spec_token_ids), tokens_left - num_new, room))
 
     def _admit_waiting(self, batch: StepBatch) -> None:
-        holds = self._prefill_holds(batch)
-        for request in self._admission_order():
+        holds = PrefillHolds.for_step(SHARED_PREFIX_BLOCKS, self.block_manager, batch,
+                                      self.running)
+        order, reordered = self._admission_order()
+        # a reordered admission still grants adapter slots in queue order (lora_slots.py)
+        slots = AdapterSlots.for_step(self.max_loras, self.running.loras,
+                                      self.waiting if reordered else ())
+        for request in order:
             if batch.tokens_left == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if holds is not None and holds.holds(request):
                 continue  # its prefix is being computed: take it from the cache later
+            if slots is not None and not slots.allows(request):
+                continue  # no slot for its adapter this step
             if not self._admit(request, batch):
                 return  # head-of-line: a less important request must not overtake it
             if holds is not None:
                 holds.admitted(request)
+            if slots is not None:
+                slots.admitted(request)
 
-    def _prefill_holds(self, batch: StepBatch) -> PrefillHolds | None:
-        """None when nothing is ever held: without a prefix cache there is nothing to wait for."""
-        if isinstance(self.block_manager.prefix_cache, NullPrefixCache):
-            return None
-        return PrefillHolds(SHARED_PREFIX_BLOCKS * self.block_size, self.block_manager, batch,
-                            self.running)
-
-    def _admission_order(self) -> Iterator[Request]:
+    def _admission_order(self) -> tuple[list[Request], bool]:
+        """The waiting requests in the order to admit them (a copy: admitted ones leave the
+        queue, held ones stay in their place), and whether it differs from the queue's."""
         if self._prefix_aware and len(self.waiting) <= LPM_MAX_WAITING:
-            yield from longest_prefix_first(self.waiting, self.block_manager.cached_prefix_len)
-            return
-        # in queue order (admitted requests leave the queue, a held one stays in its place)
-        yield from list(self.waiting)
+            return longest_prefix_first(self.waiting, self.block_manager.cached_prefix_len), True
+        return list(self.waiting), False
 
     def _admit(self, request: Request, batch: StepBatch) -> bool:
         manager = self.block_manager
@@ -450,7 +463,7 @@ class Scheduler:
         """One sampling chunk's result: append, roll back rejected drafts, cache, finish."""
         request = chunk.request
         num_known = request.num_tokens  # the chunk reached the last known token
-        new, stop = self._append_until_stop(request, token_ids)
+        new, stop = append_until_stop(request, token_ids, self.max_model_len)
         rejected = 0
         if chunk.num_drafts:
             accepted = num_matching_drafts(chunk.draft_token_ids, new)
@@ -466,30 +479,6 @@ class Scheduler:
         elif len(chunk.token_ids) > 1:  # KV of a prompt or of accepted drafts: share it now
             self.block_manager.cache_computed(request)
         return SeqUpdate(request, new, stop is not None, rejected)
-
-    def _append_until_stop(self, request: Request, token_ids: list[int]) -> tuple[
-            list[int], tuple[RequestStatus, int | None] | None]:
-        """Append tokens one at a time; a stop condition keeps its token and drops the rest."""
-        for i, token_id in enumerate(token_ids):
-            request.output_token_ids.append(token_id)
-            status, stop_reason = self._check_stop(request, token_id)
-            if status is not None:
-                return token_ids[:i + 1], (status, stop_reason)
-        return token_ids, None
-
-    def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None,
-                                                                    int | None]:
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)  # the decode hot path: no properties
-        if num_output >= params.min_tokens and token_id in request.stop_token_ids:
-            # The stop reason names a stop token the caller chose; EOS is reported as None.
-            reason = token_id if token_id in params.stop_token_ids else None
-            return RequestStatus.FINISHED_STOPPED, reason
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH, None
-        if num_output + len(request.prompt_token_ids) >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
 
     def _finish(self, request: Request, status: RequestStatus,
                 stop_reason: int | str | None = None) -> None:
@@ -550,6 +539,10 @@ class Scheduler:
         self.block_manager.check_integrity()
         running = list(self.running)
         _require(len(running) <= self.config.max_num_seqs, "more running than max_num_seqs")
+        loras = Counter(r.lora for r in running if r.lora is not None)
+        _require(loras == self.running.loras, "the running queue's adapter counts are off")
+        _require(self.max_loras is None or len({lora.lora_int_id for lora in loras})
+                 <= self.max_loras, f"more than max_loras={self.max_loras} adapters run")
         ended = set() if self.remote_kv is None else \
             self.remote_kv.check_integrity(running, self._live)
         _require(set(self.block_manager.owners()) <= {r.request_id for r in running} | ended,

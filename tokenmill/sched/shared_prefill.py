@@ -1,9 +1,10 @@
 """A prefix being computed is computed once: which waiting requests hold back this step.
 
-A waiting request whose first ``key_tokens`` prompt tokens (and cache salt) equal those of a
-request still prefilling, admitted earlier or in this step, waits while requests behind it are
-admitted, until that request has computed the full blocks the two prompts share or the cache
-holds them; it then takes them from the cache. Shorter prompts are never held.
+A waiting request whose first ``key_tokens`` prompt tokens (and prefix-cache namespace: cache
+salt and LoRA adapter) equal those of a request still prefilling, admitted earlier or in this
+step, waits while requests behind it are admitted, until that request has computed the full
+blocks the two prompts share or the cache holds them; it then takes them from the cache.
+Shorter prompts are never held.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tokenmill.cache import KVBlockManager
+from tokenmill.cache.radix import NullPrefixCache
 from tokenmill.request import Request
 from tokenmill.sched.step_batch import StepBatch
 
@@ -26,6 +28,15 @@ class PrefillHolds:
         self._computing: dict[tuple, list[Request]] = {}
         for request in running:
             self.admitted(request)
+
+    @classmethod
+    def for_step(cls, key_blocks: int, block_manager: KVBlockManager, batch: StepBatch,
+                 running: Iterable[Request]) -> PrefillHolds | None:
+        """The holds for this step's admissions, keyed by ``key_blocks`` whole blocks of prompt;
+        None when nothing is ever held: without a prefix cache there is nothing to wait for."""
+        if isinstance(block_manager.prefix_cache, NullPrefixCache):
+            return None
+        return cls(key_blocks * block_manager.block_size, block_manager, batch, running)
 
     def admitted(self, request: Request) -> None:
         """Count a running request whose prompt, longer than the key, was not all computed
@@ -54,9 +65,9 @@ class PrefillHolds:
         return False
 
     def _key(self, request: Request) -> tuple | None:
-        """The request's first ``key_tokens`` of prompt and its cache salt; None when its prompt
-        is not longer."""
+        """The request's first ``key_tokens`` of prompt and its prefix-cache namespace (salt and
+        LoRA adapter); None when its prompt is not longer."""
         n = self._key_tokens
         if request.num_prompt_tokens <= n:
             return None
-        return (request.cache_salt, *request.prompt_token_ids[:n])
+        return (request.prefix_namespace, *request.prompt_token_ids[:n])
