@@ -9,8 +9,10 @@ bfloat16: rms_norm (with the residual), rope_, silu_and_mul against the layers' 
 F.linear then SiLU·mul. float32: rms_norm_f32 against
 F.rms_norm, linear_f32_packed_add against F.linear + the residual, and linear_f32_packed over a
 gate/up weight kept in 4 or 8 bits (pack_f32_quant_weight), or times int8 rows of x
-(pack_a8_weight), against F.linear on the dequantized weight. Prints one JSON object per row
-count: microseconds per call, kernel and reference, for each kernel this machine has.
+(pack_a8_weight), against F.linear on the dequantized weight. In both dtypes: LoRABank's add_
+(a rank-16 LoRA on gate/up, every row under one adapter) against model/lora/slots.py's PyTorch
+reference, and (bf16) silu_and_mul_interleaved against silu_and_mul. Prints one JSON object per
+row count: microseconds per call, kernel and reference, for each kernel this machine has.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.model import quant as Q
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 from tokenmill.model.linear.activation import silu_and_mul
+from tokenmill.model.lora.slots import lora_reference
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 
@@ -63,7 +66,30 @@ def bf16_cases(ops, rows: int) -> dict[str, tuple[Callable, Callable]]:
                                       .reshape(2 * INTER, HIDDEN))
         cases["linear_bf16_packed_silu"] = (lambda: ops.linear_bf16_packed_silu(x, packed, None),
                                             lambda: silu_and_mul(F.linear(x, dense)))
+    cases.update(lora_cases(ops, x, gate_up))
+    # gate/up's column blocks of 16 interleaved: (rows, 2, I / 16, 16) -> (rows, I / 16, 2, 16)
+    inter = gate_up.view(rows, 2, -1, 16).transpose(1, 2).reshape(rows, -1).contiguous()
+    cases["silu_and_mul_interleaved"] = (lambda: ops.silu_and_mul_interleaved(inter, 16),
+                                         lambda: silu_and_mul(gate_up))
     return cases
+
+
+def lora_cases(ops, x: torch.Tensor, gate_up: torch.Tensor,
+               suffix: str = "") -> dict[str, tuple[Callable, Callable]]:
+    """A rank-16 LoRA on gate/up (one slice each) added to every row, as one adapter in a
+    step: the bank's add_ against the PyTorch reference (both add into ``gate_up``)."""
+    r, rows, dtype = 16, x.shape[0], x.dtype
+    a = (torch.randn(2 * r, HIDDEN) / 24).to(dtype)
+    b = torch.zeros(2 * r, 2 * INTER)
+    b[:r, :INTER], b[r:, INTER:] = torch.randn(r, INTER) / 10, torch.randn(r, INTER) / 10
+    b = b.to(dtype)
+    segments = [(0, r, 0, 0, INTER), (r, r, INTER, INTER, INTER)]
+    bank = ops.LoRABank(1, 1)
+    bank.set(0, 0, 2, a, b, torch.tensor(segments), None)  # slot 0, layer 0, role gate_up
+    rows_idx = torch.arange(rows)
+    bank.set_step(rows_idx, torch.tensor([0, rows]), [0])
+    return {f"LoRABank{suffix}": (lambda: bank.add_(0, 2, x, gate_up, False),
+                                  lambda: lora_reference(x, gate_up, rows_idx, a, b, segments))}
 
 
 def f32_cases(ops, rows: int) -> dict[str, tuple[Callable, Callable]]:
@@ -87,6 +113,7 @@ def f32_cases(ops, rows: int) -> dict[str, tuple[Callable, Callable]]:
             p = pack(qw.qweight, qw.scales, qw.zeros, bits, qw.group_size)
             cases[f"{name} int{bits}"] = (lambda p=p: ops.linear_f32_packed(x, p, None),
                                           lambda d=dense: F.linear(x, d))
+    cases.update(lora_cases(ops, x, torch.randn(x.shape[0], 2 * INTER), " f32"))
     return cases
 
 

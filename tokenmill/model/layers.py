@@ -7,6 +7,7 @@ one loop over (name, tensor) pairs, fused projections included (see ``model/load
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,9 @@ class Linear(nn.Module):
     from ``quant_parts`` shard by shard while a checkpoint loads) -- and ``kernel``, the way it
     multiplies (``model/linear/``), chosen once at load from the plan; until then
     ``F.linear``. The kernel holds its own weights: once it is built, ``weight`` stays only
-    where another module shares it or the oneDNN trial may route batches to it."""
+    where another module shares it or the oneDNN trial may route batches to it. ``lora``: None,
+    or the adapters' hook (``model/lora/slots.py``), which is called instead of the kernel,
+    with it, and adds LoRA rows' deltas to its output."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -51,9 +54,12 @@ class Linear(nn.Module):
         self.quant: QuantWeight | None = None
         self.quant_parts: dict = {}  # shard id -> QuantWeight, while a checkpoint loads
         self.kernel: LinearKernel = Dense(self.weight, self.bias)
+        self.lora: Callable[[LinearKernel, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x)
+        if self.lora is None:
+            return self.kernel(x)
+        return self.lora(self.kernel, x)
 
     def share_weight(self, weight: nn.Parameter) -> None:
         """Multiply by another module's weight (an output layer tied to the embeddings)."""

@@ -17,6 +17,9 @@ Under tensor parallelism the model's layers hold a rank's share (its heads, its 
 MLP), and the step takes the group's shared-memory all-reduce (``distributed/shm.py``'s
 ``native``), which sums the o_proj and down outputs over the ranks inside the C++ call. A
 pipeline stage after the first passes the previous stage's ``residual`` beside ``h``.
+
+With LoRA (``model/lora/slots.py``), the slots' ``LoRABank`` is handed to the stack once
+(``attach_lora``); a step whose rows it groups by adapter adds their deltas inside the same call.
 """
 
 from __future__ import annotations
@@ -25,18 +28,14 @@ import torch
 
 from tokenmill.attention.cpu_paged import CASCADE_TILE, TILE, CpuPagedBackend
 from tokenmill.model.linear import StepWeight
+from tokenmill.model.lora.slots import LoRASlots, layer_linears
 
 # the packed GEMM the kernels' DecoderStack runs for each compute dtype (StepWeight.gemm)
 _GEMM = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-def _linears(layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    a, mlp = layer.self_attn, layer.mlp
-    return {"qkv": a.qkv_proj, "o": a.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-
-
 def _step_weights(layer: torch.nn.Module) -> dict[str, StepWeight | None]:
-    return {name: lin.kernel.step_weight() for name, lin in _linears(layer).items()}
+    return {name: lin.kernel.step_weight() for name, lin in layer_linears(layer).items()}
 
 
 class CpuStep:
@@ -67,6 +66,19 @@ class CpuStep:
             self.dense_from_rows or 0, all_reduce)
         self.all_reduce = all_reduce
         self.backend: CpuPagedBackend = attn.backend
+        self.lora: LoRASlots | None = None
+        hook = inner.layers[0].self_attn.qkv_proj.lora  # LoRA slots built before this step
+        if hook is not None:
+            self.attach_lora(hook.slots)
+
+    def attach_lora(self, lora: LoRASlots) -> None:
+        """Run ``lora``'s step rows inside the call: the stack reads its kernels' bank. Without
+        one (slots on PyTorch), a step with LoRA rows runs eagerly."""
+        if self.all_reduce is not None:
+            raise ValueError("CpuStep: LoRA under tensor parallelism")
+        self.lora = lora
+        if lora.bank is not None:
+            self.stack.set_lora(lora.bank)
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list, meta, num_layers: int | None = None,
@@ -77,6 +89,8 @@ class CpuStep:
         input beside ``h`` (the previous stage's output), which the first layer's input norm
         adds ``h`` to; None on the first stage."""
         if h.dtype != self.dtype or self.backend._reference_for(kv_caches[0], h.dtype):
+            return None
+        if self.lora is not None and self.lora.active and self.lora.bank is None:
             return None
         n = len(kv_caches) if num_layers is None else num_layers
         plan = self.backend.plan(meta)

@@ -1,9 +1,10 @@
 // tokenmill's CPU kernels, built for the machine they run on (tokenmill/kernels/cpu.py): the
-// one translation unit, which binds the kernels of the headers beside it (decoder_step.h and
-// shm_allreduce.h bind their own: register_decoder_step, register_shm_allreduce). Each header
-// includes what it uses and compiles alone. tokenmill/kernels/ladder.py lists every kernel
-// with its header, the PyTorch code it replaces, the test that holds it to that code and the
-// benchmark that times the two (python -m tokenmill.kernels.ladder prints the table).
+// one translation unit, which binds the kernels of the headers beside it (decoder_step.h,
+// shm_allreduce.h and lora.h bind their own: register_decoder_step, register_shm_allreduce,
+// register_lora). Each header includes what it uses and compiles alone.
+// tokenmill/kernels/ladder.py lists every kernel with its header, the PyTorch code it
+// replaces, the test that holds it to that code and the benchmark that times the two
+// (python -m tokenmill.kernels.ladder prints the table).
 //
 //   common.h           Vec (a register of float32 lanes), PyTorch's roundings, exp, share_tasks
 //   kv_cache.h         the paged K/V cache's layout, int8 K/V, store_kv
@@ -18,8 +19,10 @@
 //   quant_ops.h        quant_linear (w4 / w8 from their bytes), quant_dequantize
 //   quant_vnni.h       quant_linear_w8a8 / w4a8: times int8 rows of x (AVX512-VNNI)
 //   shm_allreduce.h    ShmAllReduce: the sum over one host's ranks through shared memory
+//   lora.h             LoRABank: adapters' LoRA deltas added to a step's rows, grouped by
+//                      adapter; silu_and_mul_interleaved (gate/up blocks as bf16 packs them)
 //   decoder_step.h     DecoderStack: a model's decoder layers in one call (with the above,
-//                      under tensor parallelism)
+//                      under tensor parallelism, and LoRA rows)
 
 #include <torch/extension.h>
 
@@ -31,6 +34,7 @@
 #include "f32_linear.h"
 #include "kv_cache.h"
 #include "layer_ops.h"
+#include "lora.h"
 #include "paged_attention.h"
 #include "quant_ops.h"
 #include "quant_vnni.h"
@@ -93,5 +97,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("a8_pack_cols") = 0;
 #endif
   register_shm_allreduce(m);
+  register_lora(m);
   register_decoder_step(m);
 }

@@ -39,6 +39,14 @@
 // Pipeline parallelism: a stage after the first starts from the previous stage's (h,
 // residual), its first layer's input norm then joining them (sum_norm) as the next layer's
 // would have.
+//
+// LoRA (lora.h): given the adapters' LoRABank (set_lora), a step whose rows it groups by
+// adapter adds each group's delta to the output of the linears its adapter adapts, one add_
+// per layer and linear for all adapters, after the base GEMM. Those linears then run unfused
+// from their epilogues, so base rows keep their bits: o_proj and down as their product, the
+// delta, then + residual (linear_f32_packed_add's order); bf16 gate/up as its plain product
+// over the interleaved weight, the delta, then SiLU·mul over the interleaved blocks. A step
+// without LoRA rows runs the code above unchanged.
 
 #pragma once
 
@@ -49,6 +57,7 @@
 #include "f32_linear.h"
 #include "kv_cache.h"
 #include "layer_ops.h"
+#include "lora.h"
 #include "paged_attention.h"
 #include "shm_allreduce.h"
 
@@ -140,6 +149,12 @@ struct Bf16Step {
   static at::Tensor gated(const at::Tensor& x, const Proj& p) {
     return linear_bf16_packed_silu(x, p.packed, p.bias);
   }
+  // gated's product before SiLU·mul (column blocks interleaved, as packed), and SiLU·mul of it
+  static constexpr bool kInterleaved = true;
+  static at::Tensor product(const at::Tensor& x, const Proj& p) { return linear(x, p); }
+  static at::Tensor act_packed(const at::Tensor& y) {
+    return silu_and_mul_interleaved(y, kPackCols);
+  }
 };
 #endif
 
@@ -169,6 +184,9 @@ struct F32Step {
     return at::silu(halves[0]) * halves[1];
   }
   static at::Tensor gated(const at::Tensor& x, const Proj& p) { return act(linear(x, p)); }
+  static constexpr bool kInterleaved = false;
+  static at::Tensor product(const at::Tensor& x, const Proj& p) { return linear(x, p); }
+  static at::Tensor act_packed(const at::Tensor& y) { return act(y); }
 };
 #endif
 
@@ -200,6 +218,14 @@ class DecoderStack {
            {&l.qkv_dense, &l.o_dense, &l.gate_up_dense, &l.down_dense})
         TORCH_CHECK(!d->has_value() || ((*d)->dim() == 2 && (*d)->scalar_type() == dtype_),
                     "DecoderStack: dense weights (out, in) in the compute dtype, or none");
+  }
+
+  // LoRA from now on: the adapters' bank (lora.h), whose step groups forward reads; null: none
+  // (the binding keeps it alive as long as the stack)
+  void set_lora(LoRABank* lora) {
+    TORCH_CHECK(lora == nullptr || all_reduce_ == nullptr,
+                "DecoderStack: LoRA under tensor parallelism");
+    lora_ = lora;
   }
 
   // h: the embeddings (T, hidden) in the weights' dtype. cos/sin: float32 (T, head_dim / 2).
@@ -265,28 +291,59 @@ class DecoderStack {
     }
     for (size_t i = 0; i < count; ++i) {
       const LayerWeights& l = layers_[i];
-      if (i > 0) h = join<K>(act, down_of(layers_[i - 1]), n, residual, l.input_norm);
+      if (i > 0) h = join<K>(act, down_of(layers_[i - 1]), n, residual, l.input_norm, i - 1,
+                             kLoRADown);
       const Proj qkv{l.qkv, l.qkv_bias, l.qkv_dense}, o{l.o, l.o_bias, l.o_dense};
-      const at::Tensor attended = attention(i, project<K>(h, qkv, n), a);
-      h = join<K>(attended, o, n, residual, l.post_norm);
-      const Proj gate_up{l.gate_up, l.gate_up_bias, l.gate_up_dense};
-      act = dense(gate_up, n) ? K::act(at::linear(h, *gate_up.dense, gate_up.bias))
-                              : K::gated(h, gate_up);
+      const at::Tensor attended = attention(i, lora_project<K>(h, qkv, n, i, kLoRAQkv), a);
+      h = join<K>(attended, o, n, residual, l.post_norm, i, kLoRAO);
+      act = gate_up<K>(h, l, n, i);
     }
-    at::Tensor out = project<K>(act, down_of(layers_[count - 1]), n);
+    at::Tensor out = lora_project<K>(act, down_of(layers_[count - 1]), n, count - 1,
+                                     kLoRADown);
     if (all_reduce_ != nullptr) all_reduce_->all_reduce_(out);
     return {out, residual};
   }
 
-  // residual += the projection of x (summed over the ranks, with an all-reduce); returns the
-  // norm of the sum. Without one, float32 adds the residual in the GEMM's epilogue (add_norm).
+  // residual += the projection of x (summed over the ranks, with an all-reduce; LoRA rows'
+  // deltas added first); returns the norm of the sum. Without either,
+  // float32 adds the residual in the GEMM's epilogue (add_norm).
   template <class K>
   at::Tensor join(const at::Tensor& x, const Proj& p, int64_t rows, at::Tensor& residual,
-                  const at::Tensor& w) const {
-    if (all_reduce_ == nullptr) return K::add_norm(x, p, dense(p, rows), residual, w, eps_);
+                  const at::Tensor& w, size_t layer, int64_t role) const {
+    const bool lora = lora_on(layer, role);
+    if (all_reduce_ == nullptr && !lora)
+      return K::add_norm(x, p, dense(p, rows), residual, w, eps_);
     at::Tensor y = project<K>(x, p, rows);
-    all_reduce_->all_reduce_(y);
+    if (lora) lora_->add_(static_cast<int64_t>(layer), role, x, y, false);
+    if (all_reduce_ != nullptr) all_reduce_->all_reduce_(y);
     return K::sum_norm(y, residual, w, eps_);
+  }
+
+  // the projection of x, plus LoRA rows' deltas where the step's adapters adapt the linear
+  template <class K>
+  at::Tensor lora_project(const at::Tensor& x, const Proj& p, int64_t rows, size_t layer,
+                          int64_t role) const {
+    at::Tensor y = project<K>(x, p, rows);
+    if (lora_on(layer, role)) lora_->add_(static_cast<int64_t>(layer), role, x, y, false);
+    return y;
+  }
+
+  // silu(gate) * up of layer i's gate/up projection of h: in the GEMM's epilogue, or
+  // with LoRA rows, from the product with their deltas added (interleaved as packed, for bf16)
+  template <class K>
+  at::Tensor gate_up(const at::Tensor& h, const LayerWeights& l, int64_t rows, size_t i) const {
+    const Proj p{l.gate_up, l.gate_up_bias, l.gate_up_dense};
+    const bool d = dense(p, rows);
+    if (!lora_on(i, kLoRAGateUp))
+      return d ? K::act(at::linear(h, *p.dense, p.bias)) : K::gated(h, p);
+    at::Tensor y = d ? at::linear(h, *p.dense, p.bias) : K::product(h, p);
+    const bool interleaved = K::kInterleaved && !d;
+    lora_->add_(static_cast<int64_t>(i), kLoRAGateUp, h, y, interleaved);
+    return interleaved ? K::act_packed(y) : K::act(y);
+  }
+
+  bool lora_on(size_t layer, int64_t role) const {
+    return lora_ != nullptr && lora_->touches(static_cast<int64_t>(layer), role);
   }
 
   static Proj down_of(const LayerWeights& l) { return {l.down, l.down_bias, l.down_dense}; }
@@ -333,6 +390,7 @@ class DecoderStack {
   int64_t tile_, cascade_tile_;
   int64_t dense_from_rows_;
   ShmAllReduce* all_reduce_;  // null: one rank
+  LoRABank* lora_ = nullptr;  // null: no LoRA
 };
 
 // The Python names: LayerWeights, DecoderStack, rms_norm_f32 (cpu_ops.cpp's module calls this).
@@ -359,7 +417,9 @@ inline void register_decoder_step(pybind11::module_& m) {
       .def(pybind11::init<const std::vector<LayerWeights>&, int64_t, int64_t, int64_t, double,
                           double, int64_t, int64_t, int64_t, ShmAllReduce*>(),
            pybind11::keep_alive<1, 11>())  // the stack keeps its all-reduce alive
-      .def("forward", &DecoderStack::forward, release());
+      .def("forward", &DecoderStack::forward, release())
+      .def("set_lora", &DecoderStack::set_lora,
+           pybind11::keep_alive<1, 2>());  // the stack keeps the bank alive
   m.def("rms_norm_f32", &rms_norm_f32,
         "float32 rms_norm with PyTorch's roundings (its own mean), in three calls", release());
 }

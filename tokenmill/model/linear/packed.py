@@ -11,6 +11,9 @@ import torch
 from tokenmill.model.linear.base import LinearKernel, StepWeight, on_rows
 from tokenmill.model.quant import QuantWeight
 
+# output features per column block of the bf16 packing (csrc/bf16_gemm.h's kPackCols)
+BF16_PACK_COLS = 16
+
 
 class F32Packed(LinearKernel):
     """``linear_f32_packed`` over a weight in its column-block layout.
@@ -105,7 +108,8 @@ class Bf16PackedSilu(Bf16Packed):
     """A gate/up layer (gate rows, then as many up rows) packed for bf16 with its column blocks
     interleaved (gate 0, up 0, gate 1, ...), so ``linear_bf16_packed_silu`` computes
     silu(gate) * up in the GEMM's epilogue: it returns that, half the width, and the (T, 2I)
-    product never goes to memory."""
+    product never goes to memory. ``product`` then ``activate`` is the same in two steps, bit for
+    bit, for a caller that adds to the product between them (LoRA rows: ``model/lora/``)."""
 
     family = "bf16-packed-silu"
     applies_silu = True
@@ -127,3 +131,20 @@ class Bf16PackedSilu(Bf16Packed):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return on_rows(self.ops.linear_bf16_packed_silu, x.to(torch.bfloat16), self.packed,
                        self.bias)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, K) times the gate/up weight, before SiLU·mul: (rows, 2I), each output
+        feature where ``interleaved_columns`` puts it."""
+        return on_rows(self.ops.linear_bf16_packed, x.to(torch.bfloat16), self.packed, None)
+
+    def activate(self, y: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of ``product``'s output, rounded as the epilogue rounds: (rows, I)."""
+        return self.ops.silu_and_mul_interleaved(y, BF16_PACK_COLS)
+
+
+def interleaved_columns(out_features: int) -> torch.Tensor:
+    """Where ``Bf16PackedSilu.product`` puts each output feature of a gate/up layer (gate
+    features, then up): (out_features,) column indices, the halves' blocks of
+    ``BF16_PACK_COLS`` taken in turn."""
+    blocks = torch.arange(out_features).view(2, -1, BF16_PACK_COLS)  # (half, block, column)
+    return torch.argsort(blocks.transpose(0, 1).reshape(-1))
