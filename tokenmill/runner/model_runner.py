@@ -32,6 +32,7 @@ from tokenmill.util import cdiv
 
 if TYPE_CHECKING:
     from tokenmill.request import Request
+    from tokenmill.runner.lora import LoRAManager
     from tokenmill.runner.rows import RowMasks
 
 
@@ -50,6 +51,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # CPU: fewer forward threads while other processes take the cores (threads.py)
         self.governor: ThreadGovernor | None = None
+        # LoRA adapters over the model (runner/lora.py), set by the worker build where enabled
+        self.lora: LoRAManager | None = None
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Replay plain decode steps of up to ``max_num_seqs`` sequences from CUDA graphs (the
@@ -83,8 +86,20 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk], all_logits: bool = False) -> torch.Tensor:
         """Run one step; logits (float32) for the last ``num_logits`` positions of each chunk,
-        in order (or for every token when ``all_logits``)."""
-        if self.graphs is not None and not all_logits:
+        in order (or for every token when ``all_logits``). With LoRA, each chunk's rows run
+        under its request's adapter (none: the base model's)."""
+        if self.lora is None:
+            return self._forward(chunks, all_logits)
+        try:
+            with_lora = self.lora.prepare(chunks, query_starts(chunks))
+            # graphs were captured without LoRA: a step with adapter rows runs eagerly
+            return self._forward(chunks, all_logits, graphs=not with_lora)
+        finally:
+            self.lora.finish()
+
+    def _forward(self, chunks: Sequence[SeqChunk], all_logits: bool,
+                 graphs: bool = True) -> torch.Tensor:
+        if graphs and self.graphs is not None and not all_logits:
             logits = self.graphs.run(chunks)
             if logits is not None:
                 return logits
@@ -123,6 +138,14 @@ class ModelRunner:
                 break
             chunk = Chunk([token], len(prompt_ids) + len(out) - 1, table)
         return out
+
+
+def query_starts(chunks: Sequence[SeqChunk]) -> list[int]:
+    """Where each chunk's rows start in the flat batch, and the end: ``[0, n0, n0 + n1, ...]``."""
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + len(c.token_ids))
+    return starts
 
 
 def sample_step(sampler: Sampler, chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
