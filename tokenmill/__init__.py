@@ -14,10 +14,12 @@ from tokenmill.structured.spec import StructuredOutputs
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
+    from tokenmill.engine.loras import LoRARequest
 
 __version__ = "0.1.0"
 
-__all__ = ["DEFAULT_MODEL", "LLM", "SamplingParams", "StructuredOutputs", "__version__"]
+__all__ = ["DEFAULT_MODEL", "LLM", "LoRARequest", "SamplingParams", "StructuredOutputs",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from tokenmill.engine.llm import LLM
 
         return LLM
+    if name == "LoRARequest":  # vLLM's ``from vllm.lora.request import LoRARequest``
+        from tokenmill.engine.loras import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

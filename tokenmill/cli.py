@@ -191,6 +191,15 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
         help="with --kv-offload disk: the directory of block files (shared by restarts)")),
     ("--kv-test-fail-after-blocks", "kv_test_fail_after_blocks", dict(
         type=int, help=argparse.SUPPRESS)),
+    ("--enable-lora", "enable_lora", dict(
+        action="store_const", const=True,
+        help="serve LoRA adapters over the model (serve: --lora-modules, or loaded at run time)")),
+    ("--max-loras", "max_loras", dict(type=int, help="LoRA adapters running in one step")),
+    ("--max-cpu-loras", "max_cpu_loras", dict(
+        type=int, help="LoRA adapters kept in memory, the least recently used evicted and read "
+                       "again when asked for (unset: max(--max-loras, 16))")),
+    ("--max-lora-rank", "max_lora_rank", dict(
+        type=int, help="the highest LoRA rank accepted (an adapter above it is refused)")),
     ("--kv-events-config", "kv_events_config", dict(
         type=_kv_events_config, metavar="JSON",
         help="publish the prefix cache's block stored / removed events in vLLM's KV-event "
@@ -218,6 +227,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine flags the user gave, as ``EngineConfig.from_options`` keywords."""
     options = {option: getattr(args, option) for _, option, _ in _ENGINE_FLAGS
                if getattr(args, option) is not None}
+    if getattr(args, "lora_modules", None) or getattr(args, "allow_runtime_lora", False):
+        options.setdefault("enable_lora", True)  # serve's adapters need it
     if "kv_cache_memory" in options:  # "4GiB" -> bytes, "2048blocks" -> a block count
         size, blocks = options.pop("kv_cache_memory")
         options.update({"kv_cache_memory": size} if blocks is None else {"num_blocks": blocks})
@@ -326,6 +337,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "into 503 (and is logged) until it ends (default: 60)")
     # Tests only, hidden: faults injected into engine steps (tokenmill/engine/faults.py).
     p.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)
+    from tokenmill.engine.lora_modules import add_lora_args
+
+    add_lora_args(p)
     _add_limit_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
@@ -539,7 +553,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser, limits=_limits(args),
-        public_metrics=args.public_metrics, step_timeout=args.step_timeout)
+        public_metrics=args.public_metrics, step_timeout=args.step_timeout,
+        allow_runtime_lora=args.allow_runtime_lora or os.environ.get(
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1"))
     # Loading makes ~190k long-lived objects; collecting as they piled up took ~1 s of start-up
     # (eight full collections, which found a few hundred objects of garbage among them).
     gc.disable()
@@ -548,6 +564,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         gc.enable()
     engine.fault_hook = faults
+    from tokenmill.engine.lora_modules import load_lora_modules
+
+    load_lora_modules(engine, settings.model_name, args.lora_modules)
     return run_server(engine, settings, args.log_level)
 
 

@@ -367,6 +367,7 @@ class EngineConfig:
         if self.device.split(":")[0] == "cuda" and self.quantization in ("int8", "int4", "auto"):
             raise ValueError(f"quantization {self.quantization!r} (--quantization) runs on CPUs "
                              f"only for now; on {self.device} use none or fp8")
+        _check_lora_parallel(self.lora, self.parallel)
 
     @classmethod
     def from_options(cls, model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:
@@ -380,6 +381,18 @@ class EngineConfig:
         top = sections.pop(None, {})
         nested = {sec: _SECTIONS[sec](**values) for sec, values in sections.items()}
         return cls(model=model, **top, **nested)
+
+
+def _check_lora_parallel(lora: LoRAConfig, parallel: ParallelConfig) -> None:
+    """Adapters live in the engine's own process (``runner/lora.py``): ranks in other processes
+    have none, so LoRA with them is refused before anything loads."""
+    if not lora.enable_lora or not parallel.distributed:
+        return
+    raise ValueError(
+        "--enable-lora serves adapters in one process for now: it does not go with "
+        f"--tensor-parallel-size {parallel.tensor_parallel_size}, --pipeline-parallel-size "
+        f"{parallel.pipeline_parallel_size}, --nnodes {parallel.nnodes} "
+        f"(--distributed-executor-backend {parallel.distributed_executor_backend})")
 
 
 _JSON_TYPES: dict[str, type] = {"bool": bool, "int": int, "str": str}

@@ -1,8 +1,9 @@
 """AsyncEngine: the LLMEngine step loop in one background thread, one output stream per request.
 
 Threading model: only the loop thread touches the ``LLMEngine`` (it is not thread-safe). The
-asyncio side sends it commands (add, abort) through a locked deque and wakes it with a
-``Condition``; the loop thread hands outputs back with one ``call_soon_threadsafe`` per step.
+asyncio side sends it commands (add, abort, calls such as loading a LoRA adapter) through a
+locked deque and wakes it with a ``Condition``; the loop thread hands outputs back with one
+``call_soon_threadsafe`` per step.
 PyTorch releases the GIL during the forward, so the event loop stays responsive while it runs.
 
 A caller iterates ``generate()``; when it stops iterating (client gone: ``GeneratorExit`` or
@@ -22,13 +23,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tokenmill.engine.llm_engine import EngineInfo, EngineStats, LLMEngine
+from tokenmill.engine.async_types import (EngineOverloadedError, EngineSnapshot,
+                                          EngineUnavailableError, RequestFailedError,
+                                          RequestTimings, StatsListener)
+from tokenmill.engine.llm_engine import EngineInfo, LLMEngine
 from tokenmill.params import SamplingParams
-from tokenmill.request import RequestOutput
+from tokenmill.request import LoRARequest, RequestOutput
 from tokenmill.structured.spec import StructuredOutputs
 from tokenmill.tokenizer import Tokenizer
 
@@ -36,48 +40,6 @@ if TYPE_CHECKING:
     from tokenmill.structured.backend import CompiledGrammar
 
 logger = logging.getLogger("tokenmill.engine")
-
-
-class EngineOverloadedError(Exception):
-    """Too many requests are waiting: the caller should retry after ``retry_after`` seconds."""
-
-    def __init__(self, message: str, retry_after: int = 1):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineUnavailableError(Exception):
-    """The engine is shutting down or its loop died; no new requests are taken."""
-
-
-class RequestFailedError(Exception):
-    """The engine failed this request (its step or its output processing raised); the engine
-    and the other requests go on."""
-
-
-@dataclass
-class RequestTimings:
-    """Monotonic timestamps of one request, for metrics and the per-request log line."""
-
-    arrival: float
-    scheduled: float | None = None  # first step that ran any of its tokens
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
-    token_gaps: list[float] = field(default_factory=list)  # inter-token latencies (per step)
-    num_tokens: int = 0  # generated tokens over all n completions
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Gauges published by the loop thread after every step (read by /metrics, /health)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    num_adds_taken: int = 0  # add commands the loop has taken (admission counts the rest)
-    stats: EngineStats = field(default_factory=EngineStats)  # the engine's own counters
 
 
 @dataclass(frozen=True)
@@ -91,6 +53,7 @@ class _Add:
     added: asyncio.Future  # settled on the event loop once the engine took (or refused) it
     grammar: CompiledGrammar | None = None  # compiled off the loop thread: it never compiles
     kv_transfer_params: dict | None = None  # prefill/decode hand-over (kv_transfer/pd.py)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -99,8 +62,9 @@ class _Abort:
 
 
 @dataclass(frozen=True)
-class _Flush:
-    done: asyncio.Future  # the number of blocks dropped, or the refusal
+class _Call:
+    fn: Callable[[], object]  # run on the loop thread, between steps
+    done: asyncio.Future  # its result, or what it raised
 
 
 @dataclass(frozen=True)
@@ -108,17 +72,7 @@ class _FailAll:
     reason: str  # every request still running ends with EngineUnavailableError(reason)
 
 
-_Command = _Add | _Abort | _Flush | _FailAll
-
-
-class StatsListener(Protocol):
-    """Called from the loop thread; implementations must be thread-safe (prometheus-client is)."""
-
-    def on_step(self, num_batched_tokens: int, num_new_tokens: int, num_preemptions: int) -> None:
-        ...
-
-    def on_request_finished(self, output: RequestOutput, timings: RequestTimings) -> None:
-        ...
+_Command = _Add | _Abort | _Call | _FailAll
 
 
 class RequestStream:
@@ -178,6 +132,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._step_start = 0.0
         self._in_step = False
+        self._loras = tuple(engine.list_loras())  # replaced whole by the loop thread
 
     @property
     def info(self) -> EngineInfo:
@@ -269,19 +224,22 @@ class AsyncEngine:
                           params: SamplingParams, priority: int = 0,
                           cache_salt: str | None = None,
                           grammar: CompiledGrammar | None = None,
-                          kv_transfer_params: dict | None = None) -> RequestStream:
+                          kv_transfer_params: dict | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request and return its output stream once the engine took it. Pass its
-        constraint's ``grammar`` (``compile_grammar``), or the loop thread compiles it.
+        constraint's ``grammar`` (``compile_grammar``), or the loop thread compiles it;
+        ``lora_request``: one of ``loras()`` (None: the base model).
 
-        Raises ValueError (bad prompt: nothing queued), EngineOverloadedError or
-        EngineUnavailableError. The caller must iterate the stream to its end or ``abort()`` it.
+        Raises ValueError (bad prompt, or ``LoRAError``: an adapter not loaded any more;
+        nothing queued), EngineOverloadedError or EngineUnavailableError. The caller must
+        iterate the stream to its end or ``abort()`` it.
         """
         self._admit()
         stream = RequestStream(self, request_id, asyncio.Queue(), RequestTimings(time.monotonic()))
         added = self._loop.create_future()
         self._adds_sent += 1
         self._send(_Add(request_id, prompt, params, priority, cache_salt, stream, added,
-                        grammar, kv_transfer_params))
+                        grammar, kv_transfer_params, lora_request))
         try:
             await added
         except asyncio.CancelledError:
@@ -290,12 +248,14 @@ class AsyncEngine:
         return stream
 
     async def generate(self, request_id: str, prompt: str | Sequence[int],
-                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs of one request; the last one has ``finished`` set.
 
         Stopping the iteration early (``GeneratorExit`` / ``CancelledError``) aborts the request.
         """
-        stream = await self.add_request(request_id, prompt, params, priority)
+        stream = await self.add_request(request_id, prompt, params, priority,
+                                        lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -308,8 +268,32 @@ class AsyncEngine:
     async def flush_prefix_cache(self) -> int:
         """Drop every cached prefix on the loop thread; returns the blocks dropped. Raises
         RuntimeError while requests are running or waiting."""
+        return await self._call(self.engine.flush_prefix_cache)
+
+    async def add_lora(self, name: str, path: str,
+                       base_model_name: str | None = None) -> LoRARequest:
+        """Load a PEFT adapter and serve it as ``name`` (``LLMEngine.add_lora``, on the loop
+        thread between steps); ``loras()`` lists it once this returns. Raises ``LoRAError``."""
+        return await self._call(
+            lambda: self._listing(self.engine.add_lora(name, path, base_model_name)))
+
+    async def remove_lora(self, name: str) -> None:
+        """Refuse new requests under ``name``; its weights go when its last request ends.
+        Raises ``LoRAError`` for a name not loaded."""
+        await self._call(lambda: self._listing(self.engine.remove_lora(name)))
+
+    def loras(self) -> list[LoRARequest]:
+        """The adapters requests may name, as of the last add or remove (any thread)."""
+        return list(self._loras)
+
+    def _listing(self, result: object) -> object:
+        """(loop thread) ``result``, once ``loras()`` shows what the call changed."""
+        self._loras = tuple(self.engine.list_loras())
+        return result
+
+    async def _call(self, fn: Callable[[], object]) -> object:
         done = self._loop.create_future()
-        self._send(_Flush(done))
+        self._send(_Call(fn, done))
         return await done
 
     def _admit(self) -> None:
@@ -385,8 +369,8 @@ class AsyncEngine:
         match command:
             case _Abort(request_id):
                 self._finish_aborted(request_id)
-            case _Flush(done):
-                self._flush(done)
+            case _Call(fn, done):
+                self._run_call(fn, done)
             case _FailAll(reason):
                 self._fail_all(reason)
             case _Add():
@@ -398,7 +382,8 @@ class AsyncEngine:
             self.engine.add_request(c.request_id, c.prompt, c.params, priority=c.priority,
                                     arrival_time=c.stream.timings.arrival,
                                     cache_salt=c.cache_salt, grammar=c.grammar,
-                                    kv_transfer_params=c.kv_transfer_params)
+                                    kv_transfer_params=c.kv_transfer_params,
+                                    lora_request=c.lora_request)
         except Exception as e:
             # Publish first: a stale snapshot would count this refused add as queued, and a
             # caller told of the refusal could be refused admission for it.
@@ -408,9 +393,9 @@ class AsyncEngine:
         self._streams[c.request_id] = c.stream
         self._loop.call_soon_threadsafe(_settle, c.added, None)
 
-    def _flush(self, future: asyncio.Future) -> None:
+    def _run_call(self, fn: Callable[[], object], future: asyncio.Future) -> None:
         try:
-            result = self.engine.flush_prefix_cache()
+            result = fn()
         except Exception as e:
             self._loop.call_soon_threadsafe(_settle, future, e)
             return
@@ -558,7 +543,7 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
 def _refuse(command: _Command) -> None:
     """Settle a command the loop will never take (on the event loop)."""
     future = command.added if isinstance(command, _Add) else \
-        command.done if isinstance(command, _Flush) else None
+        command.done if isinstance(command, _Call) else None
     if future is not None:
         _settle(future, EngineUnavailableError("the engine loop has stopped"))
 

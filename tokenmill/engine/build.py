@@ -19,7 +19,7 @@ from tokenmill.executor.multiproc import MultiprocExecutor
 from tokenmill.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from tokenmill.config import EngineConfig
+    from tokenmill.config import EngineConfig, LoRAConfig
     from tokenmill.engine.kv_publisher import KVEventPublisher
     from tokenmill.kv_transfer.base import KVConnectorScheduler
     from tokenmill.model.loader import LoadedModel
@@ -39,6 +39,8 @@ class EngineParts:
     structured: Any
     seed: int | None
     kv_publisher: KVEventPublisher | None = None  # --kv-events-config: the cache's events
+    lora: LoRAConfig | None = None  # the adapters' limits (None: LoRA off)
+    served_model_name: str | None = None  # the base model's name (no adapter may take it)
 
 
 def build_engine_parts(config: EngineConfig, plan: ExecutionPlan | None = None) -> EngineParts:
@@ -96,7 +98,7 @@ def _build_parts(config: EngineConfig, plan: ExecutionPlan) -> EngineParts:
                           config.cache, num_blocks=executor.kv_capacity,
                           eos_token_ids={*tokenizer.eos_token_ids,
                                          *plan.model_config.eos_token_ids},
-                          connector=connector)
+                          connector=connector, max_loras=_max_loras(config))
     if connector is not None and hasattr(connector, "blocks_evicted"):  # offload tiers
         scheduler.block_manager.prefix_cache.set_block_listener(connector)
     proposer = build_decoder(config.speculative, draft, executor.kv_capacity,
@@ -110,7 +112,14 @@ def _build_parts(config: EngineConfig, plan: ExecutionPlan) -> EngineParts:
         info = replace(info, kv_transfer=connector.describe())
         logger.info("KV connector: %s", info.kv_transfer)
     return EngineParts(scheduler, executor, tokenizer, info, proposer,
-                       StructuredOutputManager(grammars, config.jump_forward), config.seed)
+                       StructuredOutputManager(grammars, config.jump_forward), config.seed,
+                       lora=config.lora if config.lora.enable_lora else None,
+                       served_model_name=config.model)
+
+
+def _max_loras(config: EngineConfig) -> int | None:
+    """Distinct adapters the scheduler lets run at once (None: no adapters, no limit)."""
+    return config.lora.max_loras if config.lora.enable_lora else None
 
 
 def _kv_connector(config: EngineConfig, plan: ExecutionPlan,

@@ -74,6 +74,11 @@ class EngineStats:
     num_loading: int = 0
     num_held: int = 0
     kv_tiers: dict = field(default_factory=dict)  # per tier / transfer: kv_transfer.TierStats
+    # LoRA: the adapters of running and of waiting sequences (names, sorted), and how many may
+    # run in one step (0: the engine serves no adapters)
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM(model).chat(messages)``."""
+"""The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM(model).chat(messages)``;
+LoRA adapters with ``LLM(model, enable_lora=True)``, ``add_lora`` and ``generate(...,
+lora_request=)``."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ from typing import Any
 
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
 from tokenmill.params import SamplingParams
-from tokenmill.request import RequestOutput
+from tokenmill.request import LoRARequest, RequestOutput
 
 Prompt = str | Sequence[int]
 Message = Mapping[str, Any]
+# the adapter of every prompt, or one per prompt: a LoRARequest or a registered name; None: the
+# base model
+LoRAArg = LoRARequest | str | Sequence[LoRARequest | str | None] | None
 
 
 class LLM:
@@ -21,7 +26,8 @@ class LLM:
     ``device``, ``dtype``, ``seed`` (sampling seed of requests without one), ``block_size``,
     ``num_blocks``, ``kv_cache_memory`` (bytes), ``watermark``, ``enable_prefix_caching``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``policy`` (``fcfs``,
-    ``priority``, ``lpm``). Or pass a built ``engine`` (an ``LLMEngine``) instead.
+    ``priority``, ``lpm``), ``enable_lora``, ``max_loras``, ``max_cpu_loras``,
+    ``max_lora_rank``. Or pass a built ``engine`` (an ``LLMEngine``) instead.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, engine=None, **options: Any):
@@ -33,18 +39,34 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Load the PEFT adapter at ``path`` as ``name``; ``LoRAError`` for one that does not
+        fit the model (the message says what)."""
+        return self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in the order of the prompts."""
+                 cache_salt: str | None = None, lora_request: LoRAArg = None,
+                 lora: LoRAArg = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in the order of the prompts.
+        ``lora_request`` (or ``lora``, the same): the adapter of every prompt or one per prompt,
+        a ``LoRARequest`` or an adapter's name; a ``LoRARequest`` not loaded yet is loaded
+        from its ``lora_path`` first."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
+        loras = self._loras(lora_request, lora, len(prompts))
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
                 self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, lora_request=loras[i])
             finished = self._run(len(prompts), use_tqdm)
         except BaseException:
             for rid in ids:  # leave the engine clean for the next call
@@ -55,16 +77,37 @@ class LLM:
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Chat completions: each conversation rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         prompts = [self.chat_prompt_ids(c, add_generation_prompt, **(chat_template_kwargs or {}))
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat_prompt_ids(self, conversation: Sequence[Message], add_generation_prompt: bool = True,
                         **kwargs: Any) -> list[int]:
         return self.tokenizer.encode_chat(conversation, add_generation_prompt, **kwargs)
+
+    def _loras(self, lora_request: LoRAArg, lora: LoRAArg,
+               n: int) -> list[LoRARequest | str | None]:
+        """Each prompt's adapter; a ``LoRARequest`` whose name is not loaded is loaded (vLLM's
+        offline habit: the request brings its adapter's path)."""
+        if lora_request is not None and lora is not None:
+            raise TypeError("give lora_request or lora (the same), not both")
+        given = lora_request if lora_request is not None else lora
+        if given is None or isinstance(given, LoRARequest | str):
+            loras = [given] * n
+        elif len(given) != n:
+            raise ValueError(f"got {len(given)} LoRA adapters for {n} prompts")
+        else:
+            loras = list(given)
+        loaded = {r.lora_name for r in self.engine.list_loras()}
+        for item in dict.fromkeys(x for x in loras if isinstance(x, LoRARequest)):
+            if item.lora_name not in loaded:
+                self.add_lora(item.lora_name, item.lora_path)
+                loaded.add(item.lora_name)
+        return loras
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         from tqdm.auto import tqdm

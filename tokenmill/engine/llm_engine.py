@@ -8,7 +8,7 @@ the real ones from an ``EngineConfig`` by its load-time plan (``engine/plan.py``
 ``engine/build.py``); tests build it with a fake executor and no torch at all.
 The engine owns what needs text: detokenization, stop strings, logprobs bookkeeping.
 ``AsyncEngine`` and the server use only the public surface below (add, abort, step, stats,
-info, tokenizer, check_prompt).
+info, tokenizer, check_prompt, the LoRA adapters: ``engine/loras.py``).
 """
 
 from __future__ import annotations
@@ -17,30 +17,33 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenmill.engine.info import EngineInfo, EngineStats, StepInfo
+from tokenmill.engine.loras import LoRALike, LoRARegistry
 from tokenmill.engine.output_state import RequestState
+from tokenmill.engine.step_state import StepState, undelivered_kv
+from tokenmill.errors import LoRALoadError
 from tokenmill.executor.base import ExecutorError
 from tokenmill.params import SamplingParams
 from tokenmill.request import (
     FinishReason,
+    LoRARequest,
     Request,
     RequestOutput,
     RequestStatus,
     check_prompt,
 )
-from tokenmill.sched.output import ModelOutput, SchedulerOutput, SeqUpdate
+from tokenmill.sched.output import ModelOutput, ScheduledChunk, SchedulerOutput, SeqUpdate
 from tokenmill.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from tokenmill.config import EngineConfig
+    from tokenmill.config import EngineConfig, LoRAConfig
     from tokenmill.engine.kv_publisher import KVEventPublisher
     from tokenmill.executor import Executor
-    from tokenmill.kv_transfer.base import KVConnectorOutput
     from tokenmill.structured.backend import CompiledGrammar
-    from tokenmill.structured.manager import StructuredOutputManager
+    from tokenmill.structured.manager import PendingMasks, StructuredOutputManager
     from tokenmill.structured.spec import StructuredOutputs
     from tokenmill.tokenizer import Tokenizer
 
@@ -78,29 +81,20 @@ class DraftProposer(Protocol):
         them (``Scheduler.waiting_prompt_tokens``), which drafts scheduled first push out."""
 
 
-@dataclass
-class _StepState:
-    """How far the running step got, which says what a failure in it touched."""
-
-    stage: str = "step"  # step (nothing touched yet), propose, schedule
-    out: SchedulerOutput | None = None  # schedule()'s result, once it returned
-    updated: bool = False  # update_from_output() was called: the scheduler took ``out``
-    kv_output: KVConnectorOutput | None = None  # what the KV connector's workers reported
-    kv_sent: bool = False  # the step's KV connector ops reached the executor
-
-
 class LLMEngine:
     """Synchronous engine: ``add_request`` any time, call ``step`` until nothing is left.
 
     ``seed``: requests without a seed of their own sample with one derived from it and their
     arrival order, so the same requests in the same order give the same text however they are
-    batched; None leaves them nondeterministic.
+    batched; None leaves them nondeterministic. ``lora``: the adapters' limits (None: the
+    engine serves none); ``served_model_name``: the base model's name, which no adapter takes.
     """
 
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer,
                  info: EngineInfo, *, proposer: DraftProposer | None = None,
                  structured: StructuredOutputManager | None = None,
-                 seed: int | None = None, kv_publisher: KVEventPublisher | None = None) -> None:
+                 seed: int | None = None, kv_publisher: KVEventPublisher | None = None,
+                 lora: LoRAConfig | None = None, served_model_name: str | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -120,6 +114,9 @@ class LLMEngine:
         self.fault_hook: FaultHook | None = None  # tests only (engine/faults.py)
         # --kv-events-config: the prefix cache's changes, sent after each step that made any
         self.kv_publisher = kv_publisher
+        self.lora_config = lora
+        self.loras = LoRARegistry(lora is not None, unload=executor.remove_lora)
+        self.served_model_name = served_model_name or info.model
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -140,15 +137,19 @@ class LLMEngine:
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     grammar: CompiledGrammar | None = None,
-                    kv_transfer_params: Mapping[str, Any] | None = None) -> None:
+                    kv_transfer_params: Mapping[str, Any] | None = None,
+                    lora_request: LoRALike | None = None) -> None:
         """Queue a request. Raises ValueError (nothing queued) for a bad prompt or one that can
         never fit the context or the KV cache. Requests with different ``cache_salt`` never
         share prefix-cache entries. ``grammar`` is the request's constraint compiled already
         (``compile_grammar``; the server does it off this thread), else it is compiled here.
         ``kv_transfer_params``: vLLM's prefill/decode hand-over (``kv_transfer/pd.py``); a
-        ValueError starting "kv_transfer_params: " when this engine cannot honour them."""
+        ValueError starting "kv_transfer_params: " when this engine cannot honour them.
+        ``lora_request``: the adapter it runs under (its ``LoRARequest`` or name; None: the base
+        model); ``LoRAError`` (a ValueError) for one not loaded."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        lora = self.loras.resolve(lora_request)
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) \
             else (None, [int(t) for t in prompt])
         self.check_prompt(ids)
@@ -158,7 +159,7 @@ class LLMEngine:
         grammar = self._grammar_for(params.structured_outputs, grammar)
         request = Request(request_id, ids, params, priority=priority, cache_salt=cache_salt,
                           kv_transfer_params=dict(kv_transfer_params)
-                          if kv_transfer_params is not None else None,
+                          if kv_transfer_params is not None else None, lora=lora,
                           **({} if arrival_time is None else {"arrival_time": arrival_time}))
         sequences = self.scheduler.add_request(request)
         if grammar is not None:
@@ -166,6 +167,31 @@ class LLMEngine:
         self._num_added += 1
         self._requests[request_id] = RequestState(request_id, text, ids, params, sequences,
                                                   self.tokenizer)
+        self.loras.acquire(lora)
+
+    # ----- LoRA adapters (engine/loras.py) ----------------------------------------------------
+
+    def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Load the PEFT adapter at ``path`` and serve it as ``name`` (its ``LoRARequest``, with
+        a new id). ``LoRAError`` for a bad adapter (the message names what does not fit), a
+        name in use or the base model's, or an engine built without ``enable_lora``."""
+        return self.loras.register(name, path, self.executor.add_lora,
+                                   base_model_name or self.served_model_name,
+                                   reserved=(self.served_model_name, self.info.model))
+
+    def remove_lora(self, name: str) -> None:
+        """Refuse new requests under ``name`` now; its weights go when its last request ends.
+        ``LoRAError`` for a name not loaded."""
+        self.loras.unregister(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters requests may name (removed ones are not)."""
+        return self.loras.list()
+
+    def _end(self, state: RequestState | None) -> None:
+        """A request left ``_requests``: an adapter removed while it ran may go now."""
+        if state is not None:
+            self.loras.release(state.sequences[0].lora)
 
     def _check_kv_transfer(self, kv_params: Mapping[str, Any], params: SamplingParams) -> None:
         from tokenmill.kv_transfer.pd import check_kv_transfer_params
@@ -208,6 +234,7 @@ class LLMEngine:
         if state is None:
             return False
         aborted = self.scheduler.abort_request(request_id)
+        self._end(state)
         self._publish_kv_events()  # freeing may have cached blocks, and no step may come soon
         return aborted
 
@@ -238,6 +265,7 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
         if state is not None:
             self._failures[request_id] = why
+            self._end(state)
 
     def fail_step(self, request_ids: Collection[str], error: Exception) -> None:
         """A step failed after ``step`` returned (in the caller's bookkeeping of it, such as
@@ -282,7 +310,9 @@ class LLMEngine:
             scheduler_seconds=s.overhead_seconds_total, **self._grammar_stats(), **self._counters,
             spec=self.proposer.stats() if hasattr(self.proposer, "stats") else None,
             external_cache_hits=s.external_cache_hits, num_loading=s.num_loading,
-            num_held=s.num_held, kv_tiers=self._kv_tiers())
+            num_held=s.num_held, kv_tiers=self._kv_tiers(), running_loras=s.running_loras,
+            waiting_loras=s.waiting_loras,
+            max_loras=self.lora_config.max_loras if self.lora_config is not None else 0)
 
     def _kv_tiers(self) -> dict:
         connector = self.scheduler.connector
@@ -342,7 +372,7 @@ class LLMEngine:
         says why), the step returns [] and the engine goes on with the others. Only failures
         that touch no request, ``MAX_BLAMELESS_FAILURES`` steps in a row, raise
         ``EngineDeadError``."""
-        s = _StepState()
+        s = StepState()
         try:
             outputs = self._step(s)
         except Exception as e:
@@ -356,7 +386,7 @@ class LLMEngine:
             self._blameless_failures = 0
         return outputs
 
-    def _step(self, s: _StepState) -> list[RequestOutput]:
+    def _step(self, s: StepState) -> list[RequestOutput]:
         start = time.perf_counter()
         preempted = self.scheduler.num_preemptions
         self._inject("step", s)
@@ -388,7 +418,7 @@ class LLMEngine:
         self._inject("finish", s)
         for output in outputs:  # only now: a failure before this fails them too
             if output.finished:
-                del self._requests[output.request_id]
+                self._end(self._requests.pop(output.request_id))
         new_tokens = sum(len(u.new_token_ids) for u in updates)
         self.last_step = StepInfo(out.num_batched_tokens, new_tokens,
                                   self.scheduler.num_preemptions - preempted,
@@ -403,14 +433,14 @@ class LLMEngine:
         if seq_ids and hasattr(self.proposer, "forget"):
             self.proposer.forget(seq_ids)
 
-    def _inject(self, stage: str, s: _StepState) -> None:
+    def _inject(self, stage: str, s: StepState) -> None:
         """The fault hook (tests only; nothing when unset), with the callers' ids of the
         requests in play: every unfinished one at the start, then those the stage touches."""
         if self.fault_hook is not None:
             in_play = set(self._requests) if s.stage == "step" else self._touched(s)
             self.fault_hook(stage, in_play)
 
-    def _touched(self, s: _StepState) -> set[str]:
+    def _touched(self, s: StepState) -> set[str]:
         """The requests (callers' ids) a step that fails now may have left half-changed."""
         if s.out is not None:  # schedule() returned: the requests it scheduled
             return {c.request.group_id for c in s.out.scheduled}
@@ -435,7 +465,7 @@ class LLMEngine:
         return {state.request_id for state in self._requests.values()
                 if any(unsettled(seq) for seq in state.sequences)}
 
-    def _recover(self, s: _StepState, error: Exception) -> None:
+    def _recover(self, s: StepState, error: Exception) -> None:
         """After a step raised: fail the requests it touched, have the scheduler take the step
         back (their blocks are freed, none cached), and count a failure that blamed nobody."""
         touched = self._touched(s)
@@ -444,7 +474,7 @@ class LLMEngine:
                      sorted(touched)[:8], exc_info=error)
         self._fail_requests(touched, error)
         if s.out is not None and not s.updated:  # every chunk's request was just aborted
-            self.scheduler.update_from_output(s.out, {}, s.kv_output or _undelivered(s))
+            self.scheduler.update_from_output(s.out, {}, s.kv_output or undelivered_kv(s))
         self._draft_probs = {}
         self.last_step = StepInfo()
         try:
@@ -474,14 +504,14 @@ class LLMEngine:
             if kept and seq_id in probs and list(proposed[seq_id][:len(kept)]) == kept:
                 self._draft_probs[seq_id] = probs[seq_id][:len(kept)]
 
-    def _run(self, s: _StepState) -> tuple[ModelOutput, float]:
+    def _run(self, s: StepState) -> tuple[ModelOutput, float]:
         """The model step: forward and sampling, the grammar masks filled meanwhile."""
         out = s.out
         start = time.perf_counter()
         masks = self.structured.start_masks(out.scheduled) if self.structured else None
         self._inject("forward", s)
         s.kv_sent = True
-        result = self.executor.execute(out, masks, self._draft_probs or None)
+        result = self._execute(out, masks)
         self._inject("sample", s)
         seconds = time.perf_counter() - start
         self._counters["forward_seconds"] += seconds
@@ -489,6 +519,36 @@ class LLMEngine:
             min(c.num_tokens, max(0, c.request.num_prompt_tokens - c.start_pos))
             for c in out.scheduled)
         return result, seconds
+
+    def _execute(self, out: SchedulerOutput, masks: PendingMasks | None) -> ModelOutput:
+        """The executor's forward. Adapters it could not load (``LoRALoadError``: their files
+        went away while evicted) fail their requests, and the step runs again without their
+        chunks; the KV connector's ops already went out with the first try."""
+        while True:
+            try:
+                return self.executor.execute(out, masks, self._draft_probs or None)
+            except LoRALoadError as e:
+                kept = self._fail_adapters(e, out.scheduled)
+                if len(kept) == len(out.scheduled):  # it named none of the step's adapters
+                    raise
+                if not kept:
+                    return ModelOutput()
+                out = replace(out, scheduled=kept, kv_connector_metadata=None)
+                masks = self.structured.start_masks(kept) if self.structured else None
+
+    def _fail_adapters(self, error: LoRALoadError,
+                       chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Fail every request of the adapters ``error`` names; the chunks of the others."""
+        ids = set(error.lora_ids)
+        logger.error("LoRA adapters %s could not be loaded; failing their requests: %s",
+                     sorted(ids), error)
+        for state in list(self._requests.values()):
+            lora = state.sequences[0].lora
+            if lora is not None and lora.lora_int_id in ids:
+                self._fail(state.request_id, f"its LoRA adapter {lora.lora_name!r} could not "
+                                             f"be loaded: {error}")
+        return [c for c in chunks if c.request.lora is None
+                or c.request.lora.lora_int_id not in ids]
 
     def _advance_grammar(self, seq: Request, token_ids: list[int]) -> None:
         """The grammar consumes the tokens. A complete grammar allows only EOS next, which ends
@@ -532,18 +592,3 @@ class LLMEngine:
                 continue
             touched[state.request_id] = state
         return [state.output() for state in touched.values()]
-
-
-def _undelivered(s: _StepState) -> KVConnectorOutput | None:
-    """A step that failed before its KV connector ops reached the workers: its loads and
-    pulls never ran (their requests recompute from their local prefix) and its exposed blocks
-    are nobody's to pull (freed now)."""
-    meta = s.out.kv_connector_metadata if s.out is not None else None
-    if meta is None or s.kv_sent:
-        return None
-    from tokenmill.kv_transfer.base import ExposeBlocks, KVConnectorOutput, LoadBlocks, PullBlocks
-
-    return KVConnectorOutput(
-        finished_sending={op.request_id for op in meta.ops if isinstance(op, ExposeBlocks)},
-        failed_recving={op.request_id: 0 for op in meta.ops
-                        if isinstance(op, LoadBlocks | PullBlocks)})

@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.config import EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig
+from tokenmill.config import (EngineConfig, KVTransferConfig, LoRAConfig, ModelConfig,
+                              ParallelConfig)
 from tokenmill.distributed.layout import ParallelLayout
 from tokenmill.executor.multiproc import DistributedSpec
 from tokenmill.executor.worker import WorkerSpec
@@ -77,6 +78,7 @@ class ExecutionPlan:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)  # off by default
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # off by default
 
     @property
     def on_gpu(self) -> bool:
@@ -94,7 +96,8 @@ class ExecutionPlan:
             max_model_len=self.max_model_len, graph_batch=self.graph_batch,
             fuse_cpu_step=fused, governor_threads=self.threads if self.thread_governor else 0,
             planned_cpu_step="off" if self.on_gpu else self.cpu_step,
-            max_batched_tokens=self.max_batched_tokens, kv_transfer=self._kv_transfer_spec())
+            max_batched_tokens=self.max_batched_tokens, kv_transfer=self._kv_transfer_spec(),
+            lora=self.lora if self.lora.enable_lora else None)
 
     def _kv_transfer_spec(self) -> KVTransferSpec | None:
         if not self.kv_transfer.enabled:
@@ -145,7 +148,15 @@ class ExecutionPlan:
             "speculative": self.speculative or "off",
             "parallel": self._describe_parallel(),
             "kv_transfer": self._describe_kv_transfer(),
+            "lora": self._describe_lora(),
         }
+
+    def _describe_lora(self) -> dict[str, Any] | str:
+        lora = self.lora
+        if not lora.enable_lora:
+            return "off"
+        return {"max_loras": lora.max_loras, "max_cpu_loras": lora.cpu_loras,
+                "max_lora_rank": lora.max_lora_rank}
 
     def _describe_kv_transfer(self) -> dict[str, Any] | str:
         """The KV connector asked for: its settings that are not their defaults."""
@@ -222,7 +233,7 @@ def make_plan(config: EngineConfig, machine: Machine | None = None) -> Execution
         cuda_graphs=_cuda_graphs(config, machine, backend),
         max_num_seqs=config.scheduler.max_num_seqs, speculative=speculative,
         max_batched_tokens=config.scheduler.max_num_batched_tokens, parallel=config.parallel,
-        layout=layout, kv_transfer=config.kv_transfer)
+        layout=layout, kv_transfer=config.kv_transfer, lora=config.lora)
 
 
 def _check_parallel(config: EngineConfig, layout: ParallelLayout) -> None:

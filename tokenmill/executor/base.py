@@ -12,7 +12,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.errors import LoRAError
+
 if TYPE_CHECKING:
+    from tokenmill.request import LoRARequest
     from tokenmill.runner.rows import RowMasks
     from tokenmill.sched.output import ModelOutput, SchedulerOutput
 
@@ -57,3 +60,13 @@ class Executor(ABC):
         """Seconds since each worker rank was last heard from ({}: the workers are in this
         process); any thread may call it."""
         return {}
+
+    def add_lora(self, lora: LoRARequest) -> str:
+        """Load and check a LoRA adapter on every worker, which serve it from then on under
+        ``lora.lora_int_id``; returns its fingerprint. Raises ``LoRAError`` naming what does
+        not fit (its rank, targets or shapes), or when the workers serve no adapters."""
+        raise LoRAError(f"{type(self).__name__} serves no LoRA adapters")
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter's weights from every worker (no request uses it any more)."""
+        raise LoRAError(f"{type(self).__name__} serves no LoRA adapters")

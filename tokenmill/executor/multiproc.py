@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
     from tokenmill.executor.kv_ranks import RankKVReports
+    from tokenmill.request import LoRARequest
     from tokenmill.runner.rows import RowMasks
     from tokenmill.sched.output import ModelOutput, SchedulerOutput
 
@@ -324,6 +325,12 @@ class MultiprocExecutor(Executor):
                                "(hung, or its host is gone)")
 
     # ----- the rest of the seam ---------------------------------------------------------------
+
+    def add_lora(self, lora: LoRARequest) -> str:
+        from tokenmill.errors import LoRAError  # EngineConfig refuses this set-up first
+
+        raise LoRAError(f"adapter {lora.lora_name!r}: LoRA adapters are served in one process "
+                        "only; tensor / pipeline parallel ranks hold none")
 
     def heartbeat_ages(self) -> dict[int, float]:
         now = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.errors import LoRAError
 from tokenmill.executor.base import Executor, ExecutorError
 from tokenmill.executor.worker import Worker, WorkerSpec, build_worker
 from tokenmill.kv_transfer.worker import IDLE_POLL_SECONDS
@@ -12,6 +13,8 @@ from tokenmill.sched.output import ModelOutput
 
 if TYPE_CHECKING:
     from tokenmill.kv_transfer.worker import ConnectorWorker
+    from tokenmill.request import LoRARequest
+    from tokenmill.runner.lora import LoRAManager
     from tokenmill.runner.model_runner import ModelRunner
     from tokenmill.runner.rows import RowMasks
     from tokenmill.sched.output import SchedulerOutput
@@ -62,6 +65,20 @@ class UniProcExecutor(Executor):
 
     def kv_connector_info(self) -> dict[str, Any] | None:
         return self._connector_info
+
+    def add_lora(self, lora: LoRARequest) -> str:
+        return self._loras().add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._loras().remove(lora_int_id)
+
+    def _loras(self) -> LoRAManager:
+        self.check_health()
+        manager = getattr(self.worker, "lora", None)
+        if manager is None:
+            raise LoRAError("this engine serves no LoRA adapters: start it with --enable-lora "
+                            "(LLM(..., enable_lora=True))")
+        return manager
 
     @property
     def kv_capacity(self) -> int:

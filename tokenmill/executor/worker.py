@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenmill.config import LoRAConfig
     from tokenmill.distributed.groups import Comm
     from tokenmill.distributed.layout import RankPosition
     from tokenmill.kv_transfer.factory import KVTransferSpec
@@ -40,6 +41,7 @@ class WorkerSpec:
     planned_cpu_step: str = "off"  # what the plan said of the CPU step, reported when unfused
     max_batched_tokens: int = 2048  # the scheduler's token budget of a step
     kv_transfer: KVTransferSpec | None = None  # a KV connector's worker side (None: off)
+    lora: LoRAConfig | None = None  # LoRA adapters served over the model (None: off)
 
 
 @dataclass
@@ -72,7 +74,21 @@ def build_worker(spec: WorkerSpec, position: RankPosition | None = None,
         rank, world = (0, 1) if position is None else (position.rank,
                                                          position.layout.world_size)
         connector = build_worker_connector(spec.kv_transfer, runner.kv_caches, rank, world)
-    return Worker(runner, loaded, _set_up_step(spec, runner, comm), connector)
+    cpu_step = _set_up_step(spec, runner, comm)
+    if spec.lora is not None:  # after the fused step exists: the adapters' slots hook into it
+        _add_lora_manager(spec, runner, loaded)
+    return Worker(runner, loaded, cpu_step, connector)
+
+
+def _add_lora_manager(spec: WorkerSpec, runner: ModelRunner, loaded: LoadedModel) -> None:
+    import torch
+
+    from tokenmill.runner.lora import LoRAManager
+
+    # the compiled CPU kernels the layers already use (None: the torch reference)
+    ops = getattr(loaded.model.model.layers[0].self_attn.backend, "ops", None)
+    runner.lora = LoRAManager(loaded.model, spec.lora, loaded.config,
+                              getattr(torch, spec.dtype), ops)
 
 
 def _num_blocks(spec: WorkerSpec, loaded: LoadedModel) -> int:
