@@ -7,7 +7,6 @@ import dataclasses
 import gc
 import logging
 import signal
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from tokenmill.server.middleware import (
     error_response,
     key_matches,
 )
+from tokenmill.server.models import add_model_routes
 from tokenmill.server.openapi import install_openapi
 from tokenmill.server.pipeline import RequestPipeline
 from tokenmill.server.protocol import (
@@ -65,6 +65,8 @@ class ServerSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     public_metrics: bool = False  # /metrics without the API key (for a scraper without one)
     step_timeout: float = 60.0  # a step running longer turns /health into 503
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (--allow-runtime-lora)
+    allow_runtime_lora: bool = False
 
 
 # Routes anyone may call when an API key is set: liveness and what the server is, nothing about
@@ -93,7 +95,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         app.add_middleware(BearerAuth, api_key=settings.api_key, public=public)
     _add_generation_routes(app, OpenAIServing(pipeline))
     add_responses_routes(app, pipeline)
-    _add_model_routes(app, pipeline, settings.model_name)
+    add_model_routes(app, pipeline.models, settings.allow_runtime_lora)
     _add_health_routes(app, async_engine, settings, watchdog)
     _add_admin_routes(app, pipeline, metrics)
     install_openapi(app)
@@ -150,7 +152,7 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        pipeline.check_model(req.model)
+        pipeline.resolve_model(req.model)
 
         def decode() -> str:  # a 32 MB body holds millions of ids: off the event loop
             check_vocabulary(req.tokens, pipeline.vocab_size, "tokens")
@@ -160,24 +162,6 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
             return {"prompt": await pipeline.off_loop(decode)}
         except PromptError as e:
             raise field_error(e) from None
-
-
-def _add_model_routes(app: FastAPI, pipeline: RequestPipeline, model_name: str) -> None:
-    created = int(time.time())
-
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created,
-                "owned_by": "tokenmill", "root": model_name,
-                "max_model_len": pipeline.max_model_len}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        pipeline.check_model(model_id)
-        return model_card()
 
 
 def _add_health_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings,

@@ -6,6 +6,8 @@ read from the engine's published snapshot at scrape time.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -77,6 +79,7 @@ class ServerMetrics:
         self.iteration = histogram("iteration_tokens_total", "Tokens per engine step.",
                                    _TOKEN_BUCKETS)
         r.register(_EngineCounters(self))
+        r.register(_LoRAInfo(self))
         for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.rejections,
                   self.prefix_queries, self.prefix_hits):
             c.labels(model_name)  # export zeros from the start
@@ -116,6 +119,31 @@ class ServerMetrics:
             self.e2e.labels(m).observe(t.finished - t.arrival)
         if t.scheduled is not None:
             self.queue.labels(m).observe(t.scheduled - t.arrival)
+
+
+class _LoRAInfo:
+    """vLLM's ``lora_requests_info``: one sample whose labels are the adapter slots
+    (``max_lora``) and the adapters of running and waiting requests (comma-joined names), and
+    whose value is when it was read (a dashboard shows the labels of the latest). Exported
+    only when the engine serves LoRA adapters. Only the current labels are exported, so
+    the series do not pile up as adapters come and go."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self._metrics = metrics
+
+    def collect(self):
+        engine = self._metrics._engine
+        stats = engine.snapshot.stats if engine is not None else None
+        if stats is None or not stats.max_loras:
+            return
+        gauge = GaugeMetricFamily(
+            "tokenmill:lora_requests_info", "Running and waiting requests' LoRA adapters "
+            "(labels); the value is when they were read (Unix time).",
+            labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        gauge.add_metric([self._metrics.model_name, str(stats.max_loras),
+                          ",".join(stats.running_loras), ",".join(stats.waiting_loras)],
+                         time.time())
+        yield gauge
 
 
 class _EngineCounters:

@@ -261,11 +261,14 @@ class ResponseStreamEvent(BaseModel):
 # ----- the other routes -------------------------------------------------------------------------
 
 class ModelCard(BaseModel):
+    """The base model (``parent`` null) or a LoRA adapter over it (``root``: its path)."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     root: str
+    parent: str | None = Field(None, description="a LoRA adapter's base model")
     max_model_len: int = Field(ge=1)
 
 
@@ -343,10 +346,11 @@ Body = type[BaseModel] | MediaBody | None  # None: no body
 Statuses = dict[int, tuple[str, Body]]
 
 PROMETHEUS_TEXT = MediaBody("text/plain", {"type": "string"})
+PLAIN_TEXT = MediaBody("text/plain", {"type": "string"})
 
 _BAD = "invalid request (a malformed body, a value out of range, a prompt too long)"
 _AUTH = "missing or wrong API key (only when the server runs with one)"
-_NOT_FOUND = "unknown model"
+_NOT_FOUND = "unknown model (neither the served model nor a LoRA adapter it holds)"
 _TOO_LARGE = "request body too large"
 _UNAVAILABLE = "overloaded or shutting down; Retry-After says when to try again"
 _FAILED = "the engine failed this request (a bug: the other requests and the server go on)"
@@ -363,7 +367,8 @@ ROUTES: dict[str, Statuses] = {
     "/v1/completions": _generation(Completion),
     "/v1/chat/completions": _generation(ChatCompletion),
     "/v1/responses": _generation(ResponseObject, "unknown model or previous response"),
-    "/v1/models": {200: ("the served model", ModelList), 401: (_AUTH, ErrorBody)},
+    "/v1/models": {200: ("the served model, then its LoRA adapters", ModelList),
+                   401: (_AUTH, ErrorBody)},
     "/v1/models/{model_id}": {200: ("the model", ModelCard), 401: (_AUTH, ErrorBody),
                               404: (_NOT_FOUND, ErrorBody)},
     "/tokenize": {200: ("token ids of the prompt or conversation", Tokenized),
@@ -372,6 +377,17 @@ ROUTES: dict[str, Statuses] = {
     "/detokenize": {200: ("the text of the token ids", Detokenized), 400: (_BAD, ErrorBody),
                     401: (_AUTH, ErrorBody), 404: (_NOT_FOUND, ErrorBody),
                     413: (_TOO_LARGE, ErrorBody)},
+    # only with --allow-runtime-lora (otherwise they do not exist)
+    "/v1/load_lora_adapter": {
+        200: ("the adapter is loaded: a one-line message", PLAIN_TEXT),
+        400: ("invalid body, a name already loaded, or an adapter that does not fit the base "
+              "model (the message names the mismatch)", ErrorBody),
+        401: (_AUTH, ErrorBody), 413: (_TOO_LARGE, ErrorBody)},
+    "/v1/unload_lora_adapter": {
+        200: ("the adapter is unloaded (its running requests finish): a one-line message",
+              PLAIN_TEXT),
+        400: (_BAD, ErrorBody), 401: (_AUTH, ErrorBody),
+        404: ("no adapter of that name is loaded", ErrorBody), 413: (_TOO_LARGE, ErrorBody)},
     "/flush_cache": {200: ("prefix-cache blocks freed", FlushedCache),
                      400: ("requests are running", ErrorBody), 401: (_AUTH, ErrorBody)},
     "/health": {200: ("the engine is alive: ok, or busy (generate=true: too busy to run the "

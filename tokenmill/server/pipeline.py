@@ -5,7 +5,8 @@ template, with its tools), an output constraint and an ``OutputLimit``; the pipe
 rest, each step refusing with an ``APIError`` that names the field as the endpoint spells it,
 and all of them before anything is queued, so a bad request never touches the engine:
 
-    check_model, check_fields   the body alone (``sampling.SamplingRules``)
+    resolve_model, check_fields the body alone: base model or LoRA adapter (``models.py``),
+                                sampling (``sampling.SamplingRules``)
     tokenize, render_chat       off the event loop (a worker pool), then the engine's check
     check_tool_schemas          every offered function's parameters compile as a schema
     prepare                     ``SamplingParams``; the constraint compiled off the loop
@@ -29,11 +30,13 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
                                            EngineUnavailableError, RequestStream)
+from tokenmill.errors import LoRAError
 from tokenmill.params import ConstraintError, StructuredOutputs
 from tokenmill.request import PromptError
 from tokenmill.server.formatters import OutputFormatter
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.models import ModelChoice, ServedModels, model_not_found
 from tokenmill.server.protocol import (APIError, ChatMessage, FieldError, SamplingFields,
                                        check_request_id, field_error, invalid, printable)
 from tokenmill.server.sampling import OutputLimit, SamplingRules
@@ -71,6 +74,7 @@ class EngineJob:
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # for the engine's KV connector
+    model: ModelChoice | None = None  # the adapter to run under (None: the base model)
 
 
 class RequestPipeline:
@@ -87,6 +91,7 @@ class RequestPipeline:
         info = engine.info
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.models = ServedModels(engine, model_name, info.max_model_len)
         self.limits = (limits or RequestLimits()).resolve(
             info.max_model_len, self.tokenizer.longest_token_chars, info.kv_cache_tokens)
         # Under any other policy a request's priority would order nothing: refused.
@@ -116,10 +121,9 @@ class RequestPipeline:
 
     # ----- the body alone -----------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", "not_found_error",
-                           "model", "model_not_found")
+    def resolve_model(self, model: str | None) -> ModelChoice:
+        """The base model or the LoRA adapter a body's ``model`` names (404 for any other)."""
+        return self.models.resolve(model)
 
     def check_fields(self, req: SamplingFields, num_prompts: int, limit: OutputLimit,
                      logprobs: int | None, logprobs_param: str) -> None:
@@ -235,14 +239,15 @@ class RequestPipeline:
                           f"this model ({type(e).__name__}: {e})", "unsupported") from None
 
     async def prepare(self, req: SamplingFields, prompts: list[Prompt], limit: OutputLimit,
-                      logprobs: int | None,
-                      structured: StructuredOutputs | None = None) -> EngineJob:
-        """The engine's parameters for these prompts, with the constraint compiled."""
+                      logprobs: int | None, structured: StructuredOutputs | None = None,
+                      model: ModelChoice | None = None) -> EngineJob:
+        """The engine's parameters for these prompts, with the constraint compiled; they run
+        under ``model``'s adapter, if it has one."""
         params = self.rules.params(req, [len(p.ids) for p in prompts], limit, logprobs,
                                    structured)
         grammar = await self.compile(params.structured_outputs)
         return EngineJob(prompts, params, grammar, req.priority, req.cache_salt,
-                         req.kv_transfer_params)
+                         req.kv_transfer_params, model)
 
     async def run(self, job: EngineJob, fmt: OutputFormatter, stream: bool,
                   raw: Request) -> Response:
@@ -259,20 +264,24 @@ class RequestPipeline:
         streams: list[RequestStream] = []
         own = uuid.uuid4().hex[:12]
         prompts = job.prompts
+        lora = job.model.lora if job.model else None
         try:
             for i, prompt in enumerate(prompts):
                 request_id = f"{rid}-{own}" if len(prompts) == 1 else f"{rid}-{own}-{i}"
                 streams.append(await self.engine.add_request(
                     request_id, prompt.ids, job.params, job.priority, job.cache_salt,
-                    job.grammar, kv_transfer_params=job.kv_transfer_params))
+                    job.grammar, kv_transfer_params=job.kv_transfer_params, lora_request=lora))
         except BaseException as e:
             for s in streams:
                 s.abort()
-            raise self._refusal(e, prompts[0].param) from None
+            raise self._refusal(e, prompts[0].param, job.model) from None
         return streams
 
-    def _refusal(self, e: BaseException, prompt_param: str) -> BaseException:
+    def _refusal(self, e: BaseException, prompt_param: str,
+                 model: ModelChoice | None) -> BaseException:
         """What a failed ``add_request`` is said as (anything unexpected as it is)."""
+        if isinstance(e, LoRAError) and model is not None and model.lora is not None:
+            return model_not_found(model.name)  # unloaded since the request resolved it
         if isinstance(e, EngineOverloadedError):
             self.metrics.rejections.labels(self.model_name).inc()
             return APIError(503, str(e), "overloaded_error", None, "overloaded",

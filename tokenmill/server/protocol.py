@@ -355,6 +355,21 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): serve the PEFT adapter at ``lora_path``
+    under the name ``lora_name``."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; its ``lora_int_id`` is not needed: a
+    name is unique)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error",
                     "server_error", "overloaded_error"]
 

@@ -73,7 +73,7 @@ class OpenAIResponses:
         the response's id is the client's (``given_id``) where it chose one."""
         namespace, given = _namespace(raw, req.cache_salt), given_id(req, raw)
         p = self.pipeline
-        p.check_model(req.model)
+        model = p.resolve_model(req.model)
         refuse_unsupported(req)
         limit = OutputLimit(req.max_output_tokens, "max_output_tokens")
         p.check_fields(req, 1, limit, req.top_logprobs, "top_logprobs")
@@ -83,10 +83,10 @@ class OpenAIResponses:
         out = self._output(req)
         await p.check_tool_schemas(out.tools.offered, "tools[{}].parameters")
         prompt = await p.render_chat(messages, True, None, out.tools.template_tools(), "input")
-        job = await p.prepare(req, [prompt], limit, out.logprobs, out.structured)
+        job = await p.prepare(req, [prompt], limit, out.logprobs, out.structured, model)
         # Reasoning items reach no prompt: they are not kept either.
         kept = [i for i in items if not (isinstance(i, dict) and i.get("type") == "reasoning")]
-        head = ResponseHead(self._new_id(namespace, given), p.model_name, req, out.tools_echo,
+        head = ResponseHead(self._new_id(namespace, given), model.name, req, out.tools_echo,
                             out.text_echo, previous + kept, namespace)
         fmt = ResponsesFormatter(head, p.token_text,
                                  p.tool_parser if out.tools.active else None, out.tools.limit,

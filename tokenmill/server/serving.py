@@ -33,7 +33,7 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         p = self.pipeline
-        p.check_model(req.model)
+        model = p.resolve_model(req.model)
         check_best_of(req)
         items = completion_items(req.prompt)
         limit = OutputLimit(req.max_tokens)
@@ -44,8 +44,8 @@ class OpenAIServing:
         if req.suffix is not None:
             items = [self._infill(item, req.suffix) for item in items]
         prompts = [await p.tokenize(item, "prompt", req.add_special_tokens) for item in items]
-        job = await p.prepare(req, prompts, limit, req.logprobs, request_constraint(req))
-        fmt = CompletionFormatter(f"cmpl-{_response_id(req, raw)}", p.model_name, p.token_text,
+        job = await p.prepare(req, prompts, limit, req.logprobs, request_constraint(req), model)
+        fmt = CompletionFormatter(f"cmpl-{_response_id(req, raw)}", model.name, p.token_text,
                                   req.stream_options, req.n, len(prompts), req.logprobs,
                                   self._echoes(prompts) if req.echo else None)
         return await p.run(job, fmt, req.stream, raw)
@@ -67,7 +67,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         p = self.pipeline
-        p.check_model(req.model)
+        model = p.resolve_model(req.model)
         check_best_of(req)
         limit = OutputLimit.of_chat(req)
         p.check_fields(req, 1, limit, req.top_logprobs, "top_logprobs")
@@ -79,8 +79,8 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        job = await p.prepare(req, [prompt], limit, logprobs, structured)
-        fmt = ChatFormatter(f"chatcmpl-{_response_id(req, raw)}", p.model_name, p.token_text,
+        job = await p.prepare(req, [prompt], limit, logprobs, structured, model)
+        fmt = ChatFormatter(f"chatcmpl-{_response_id(req, raw)}", model.name, p.token_text,
                             req.stream_options, req.n, logprobs,
                             p.tool_parser if tools.active else None, tools.limit)
         return await p.run(job, fmt, req.stream, raw)
@@ -99,7 +99,7 @@ class OpenAIServing:
         """``POST /tokenize``: the ids of a prompt, or of messages as the chat endpoint renders
         them with the same tools and template."""
         p = self.pipeline
-        p.check_model(req.model)
+        p.resolve_model(req.model)  # the adapters share the base model's tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise invalid("prompt", "give exactly one of prompt and messages", None)
         ids = await (self._chat_ids(req) if req.messages is not None else self._text_ids(req))
