@@ -16,6 +16,20 @@ def default_gguf_path():
     return resolve_model("smollm2-135m-instruct").path
 
 
+@pytest.fixture(scope="session")
+def hf_default_float32(default_gguf_path):
+    """transformers' float32 load of the default GGUF and its tokenizer: the reference of the
+    real-model tests (read once per session: about 13 s on 2 cores). Do not modify it; copy."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    kw = dict(gguf_file=default_gguf_path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_gguf_path.parent), dtype=torch.float32, **kw).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(default_gguf_path.parent), **kw)
+    return model, tok
+
+
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu",
                      help="device for model tests that support it (cpu or cuda)")

@@ -129,15 +129,12 @@ def test_window_errors_are_clear(tiny, tiny_ids):
 # ----- the real default model -------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_real_model_matches_transformers_on_one_window(default_gguf_path):
-    transformers = pytest.importorskip("transformers")
+def test_real_model_matches_transformers_on_one_window(hf_default_float32):
+    hf = hf_default_float32[0]
     engine = build_eval_engine("smollm2-135m-instruct", 256, dtype="float32")
     ids = engine.tokenizer.encode(load_text())[:256]
     ours = engine_perplexity(engine, ids, context=256, chunk=96)  # 3 chunks through the cache
     assert (ours.windows, ours.tokens_scored, ours.dtype) == (1, 255, "float32")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_gguf_path.parent), gguf_file=default_gguf_path.name,
-        dtype=torch.float32).eval()
     with torch.no_grad():
         logprobs = hf(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
     ref = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).double().mean().item()

@@ -6,7 +6,6 @@ and two adapters in one batch."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -32,16 +31,12 @@ LOGITS_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def references(default_gguf_path, tmp_path_factory):
+def references(hf_default_float32, tmp_path_factory):
     """transformers' base model and tokenizer, and per adapter its directory and PEFT's merged
     model (float32)."""
-    transformers = pytest.importorskip("transformers")
     from peft import LoraConfig, get_peft_model
 
-    kw = dict(gguf_file=default_gguf_path.name)
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_gguf_path.parent), dtype=torch.float32, **kw).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(str(default_gguf_path.parent), **kw)
+    base, tok = hf_default_float32
     adapters = {}
     for seed, (name, spec) in enumerate(ADAPTERS.items()):
         torch.manual_seed(seed)

@@ -24,13 +24,8 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_gguf(default_gguf_path):
-    transformers = pytest.importorskip("transformers")
-    kw = dict(gguf_file=default_gguf_path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_gguf_path.parent), dtype=torch.float32, **kw).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(str(default_gguf_path.parent), **kw)
-    return model, tok
+def hf_gguf(hf_default_float32):
+    return hf_default_float32
 
 
 @pytest.fixture(scope="module")
