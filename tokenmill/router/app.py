@@ -1,8 +1,10 @@
 """The router's HTTP app: one OpenAI-compatible endpoint in front of the worker pool.
 
 Routes: every ``/v1/*`` path and ``/tokenize``, ``/detokenize`` are forwarded (``proxy.py``;
-in PD mode ``pd.py``, over the prefill and decode workers);
-``/v1/models`` lists what the healthy workers (and the model launcher) serve; ``/health``,
+in PD mode ``pd.py``, over the prefill and decode workers), but loading or unloading a LoRA
+adapter goes to every worker (``adapters.py``);
+``/v1/models`` lists what the healthy workers (and the model launcher) serve, their LoRA
+adapters included (with their ``parent``); ``/health``,
 ``/metrics`` and ``/workers`` describe the router itself. The pool is ``app.state.pool``, so a
 launcher can add and remove workers while the router runs.
 """
@@ -24,6 +26,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tokenmill.router.adapters import LORA_ADMIN_PATHS, broadcast
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import Policy, make_policy
@@ -72,6 +75,8 @@ class Router:
                    if self.kv_index is not None else None)
         self._forget_on_leave()
         self.proxy: Proxy | PDProxy | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.monitor: HealthMonitor | None = None
 
     def _forget_on_leave(self) -> None:
         """A worker ejected (often restarted, with a cold cache) or removed leaves no stale
@@ -92,8 +97,10 @@ class Router:
         else the error to answer."""
         launcher = self.launcher
         known = launcher is not None and model is not None and launcher.known(model)
-        if model is None or (not known and self.pool.candidates(model)):
+        if model is None:
             return None
+        if not known and self.pool.candidates(model):
+            return self._ambiguous(model)
         if launcher is not None and known:
             if not self.pool.candidates(model):
                 refused = await self._start(model)
@@ -105,6 +112,17 @@ class Router:
             return None  # served, but by workers that are down: the proxy's 503
         return openai_error(404, f"The model `{model}` does not exist.", param="model",
                             code="model_not_found")
+
+    def _ambiguous(self, model: str) -> Response | None:
+        """A 400 when the healthy workers give ``model`` different base models (an adapter
+        name used under two bases, or a base model's name also an adapter's): the request
+        would run under whichever its worker happens to have."""
+        bases = self.pool.bases_of(model)
+        if len(bases) <= 1:
+            return None
+        return openai_error(400, f"The model `{model}` is ambiguous: the workers serve it on "
+                            f"{', '.join(sorted(bases))}; name the adapter as "
+                            f"`<base>:{model}`.", param="model", code="model_ambiguous")
 
     async def _start(self, model: str) -> Response | None:
         from tokenmill.router.models import ModelUnavailable
@@ -119,14 +137,16 @@ class Router:
         return None
 
     def model_cards(self) -> list[dict[str, Any]]:
-        """The healthy workers' model cards and the launcher's, one per id."""
-        cards: dict[str, dict[str, Any]] = {}
+        """The healthy workers' model cards and the launcher's, one per id and parent (the
+        replicas of a model list it and its adapters alike; an adapter name under two base
+        models is two adapters)."""
+        cards: dict[tuple[str, str | None], dict[str, Any]] = {}
         for w in self.pool.all():
             if w.healthy:
                 for card in w.cards:
-                    cards.setdefault(str(card["id"]), card)
+                    cards.setdefault(_card_key(card), card)
         for card in self.launcher.cards() if self.launcher is not None else []:
-            cards.setdefault(str(card["id"]), card)
+            cards.setdefault(_card_key(card), card)
         return list(cards.values())
 
     @contextlib.asynccontextmanager
@@ -138,8 +158,8 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client, \
                 _upstream_session(cfg) as session:
-            self.proxy = self._proxy(session)
-            monitor = HealthMonitor(self.pool, client, self.kv)
+            self.proxy, self.session = self._proxy(session), session
+            self.monitor = monitor = HealthMonitor(self.pool, client, self.kv)
             await monitor.probe_all(first=True)
             task = asyncio.create_task(monitor.run())
             try:
@@ -174,6 +194,11 @@ class Router:
             self.kv.close()
         if self.launcher is not None:
             await self.launcher.shutdown()
+
+
+def _card_key(card: dict[str, Any]) -> tuple[str, str | None]:
+    parent = card.get("parent")
+    return str(card["id"]), str(parent) if parent else None
 
 
 def _upstream_session(cfg: RouterConfig) -> aiohttp.ClientSession:
@@ -276,10 +301,21 @@ def _add_forwarded_routes(app: FastAPI, router: Router, key_check: Any) -> None:
     @app.get("/v1/models/{model_id:path}", dependencies=[key_check])
     async def model(model_id: str) -> Response:
         for card in router.model_cards():
-            if card["id"] == model_id:
+            parent = card.get("parent")
+            if model_id == card["id"] or (parent and model_id == f"{parent}:{card['id']}"):
                 return JSONResponse(card)
         return openai_error(404, f"The model `{model_id}` does not exist.", param="model",
                             code="model_not_found")
+
+    async def adapters(request: Request) -> Response:
+        assert router.session is not None and router.monitor is not None, "not running"
+        return await broadcast(request, [w for w in router.pool.all() if w.healthy],
+                               router.session, router.cfg.worker_api_key,
+                               router.monitor.learn_models)
+
+    for path in LORA_ADMIN_PATHS:  # before the catch-all, which would send it to one worker
+        app.add_api_route(path, adapters, methods=["POST"], dependencies=[key_check],
+                          include_in_schema=False)
 
     async def forward(request: Request) -> Response:
         assert router.proxy is not None, "the app is not running"

@@ -14,6 +14,14 @@ its descendants: its tokens are not the start of a prompt, so hashing it as a ro
 cache hits that are not there, and without its parent's hash there is no true chain for it.
 Its removal is still mirrored; it simply never matches.
 
+A LoRA adapter is known by its name: each worker numbers its adapters itself (``lora_id``), so
+the same adapter has different ids on two replicas, and a request names it, not a number. A
+block whose event carries ``lora_name`` is filed under that name and matches requests under
+that adapter on every worker. An event with only ``lora_id`` (a vLLM release that sends no
+name) is filed under the id, apart from every name and from the base model: such blocks match
+only a caller that passes that worker's id, so the router, which knows requests by name, never
+counts them as hits (no wrong hit; the worker is scored as holding nothing for the adapter).
+
 The index is written from one subscriber thread per worker and read on the router's event
 loop, so every method takes one ``threading.Lock``. A batch's ``data_parallel_rank`` is not
 read: the router's unit is a worker URL, and one URL is one cache.
@@ -71,9 +79,10 @@ def _adapter_tag(adapter: Adapter) -> bytes:
 
 
 def adapter_of(event: BlockStored) -> Adapter:
-    """vLLM names the adapter by ``lora_id``; newer releases also send ``lora_name``, the one
-    identity left when an id is absent."""
-    return event.lora_id if event.lora_id is not None else getattr(event, "lora_name", None)
+    """The adapter by name when the event gives one (the same on every worker), else by the
+    worker's own ``lora_id`` (None: the base model)."""
+    name = getattr(event, "lora_name", None)
+    return name if name is not None else event.lora_id
 
 
 @dataclass
@@ -133,8 +142,8 @@ class KVIndex:
 
     def match(self, token_ids: Sequence[int], adapter: Adapter = None) -> dict[str, int]:
         """Per worker that has events, how many leading tokens of ``token_ids`` (whole blocks)
-        its cache holds under ``adapter`` (a LoRA id or name as the events give it; None: the
-        base model)."""
+        its cache holds under ``adapter``: a LoRA adapter's name (an int: one worker's id, for
+        events without names), None for the base model."""
         prompt = _PromptChains(token_ids, adapter)
         with self._lock:
             out: dict[str, int] = {}

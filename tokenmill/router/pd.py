@@ -135,6 +135,7 @@ class PDProxy:
         refused = await self.decode.ensure_model(key.model)
         if refused is not None:
             return self.decode.answer(refused, started)
+        key.under_adapter(self.prefill.pool.adapter_for(key.model))
         if self.prefill.policy.needs_tokens and key.token_ids is None:
             await self.prefill.tokenize(key, payload, request)
         handoff = await self.prefill_step(request, payload, key, started)

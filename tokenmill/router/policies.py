@@ -14,6 +14,12 @@ one of them; the router then calls ``on_routed`` with the worker that actually t
   keeps one radix tree of the text routed to each worker; exact mode reads the workers' own
   KV-cache events through a ``KVIndex``. Both fall back to least load when load is imbalanced.
 
+A request under a LoRA adapter can use only blocks computed under that adapter (a worker's
+prefix cache never shares them across adapters, nor with the base model), so every policy keys
+it apart: ``RouteKey.adapter`` names it, the text is prefixed with it (the approximate tree,
+``prefix_hash``) and the exact index matches only its blocks. A base request's key is what it
+always was.
+
 Policies run on the router's event loop only (no locking); the ``KVIndex`` they read is written
 from subscriber threads and locks itself.
 """
@@ -49,23 +55,39 @@ class WorkerLike(Protocol):
 W = TypeVar("W", bound=WorkerLike)
 
 
+def adapter_prefix(adapter: str) -> str:
+    """What a LoRA request's route text starts with: NULs around it, because no prompt text
+    a client renders begins that way by accident, so it never shares a prefix with a base
+    prompt or another adapter's."""
+    return f"\0lora:{adapter}\0"
+
+
 @dataclass
 class RouteKey:
     """What a policy may route on.
 
     ``text`` is the prompt as the router renders it (a completion's prompt, or chat messages as
-    ``"<|role|>content\\n"`` each, prefixed by ``cache_salt`` when given); ``token_ids`` is filled
-    by the router before ``choose`` only when ``policy.needs_tokens``.
+    ``"<|role|>content\\n"`` each, prefixed by ``cache_salt`` when given, then by the adapter's
+    ``adapter_prefix`` for a LoRA request); ``token_ids`` is filled by the router before
+    ``choose`` only when ``policy.needs_tokens``; ``adapter``: the LoRA adapter's name (the
+    workers' id of it), None for the base model.
     """
 
     model: str | None
     text: str
     token_ids: list[int] | None = None
+    adapter: str | None = None
     # What the KV index held of the prompt per worker when ``choose`` ran: the exact hit figure
     # must use it, because by ``on_routed`` (response headers) the worker has usually stored
     # the prompt's blocks and a fresh match would count them as hits.
     cached_tokens: dict[str, int] | None = field(default=None, init=False, repr=False,
                                                  compare=False)
+
+    def under_adapter(self, adapter: str | None) -> None:
+        """Key the request to ``adapter``'s cache (None: the base model, nothing changes)."""
+        if adapter is not None and self.adapter is None:
+            self.adapter = adapter
+            self.text = adapter_prefix(adapter) + self.text
 
 
 class Policy(ABC):
@@ -165,12 +187,14 @@ class PrefixHash(Policy):
         self._rings: OrderedDict[tuple[str, ...], HashRing] = OrderedDict()
 
     def key_hash(self, key: RouteKey) -> int:
-        """Hash of the model and the first N tokens (4N characters when only text is known)."""
+        """Hash of the model and the first N tokens (4N characters when only text is known);
+        an adapter's requests by its name, whichever way ``model`` named it."""
         if key.token_ids is not None:
             prefix = ",".join(map(str, key.token_ids[: self._tokens])).encode()
         else:
             prefix = key.text[: 4 * self._tokens].encode("utf-8", "surrogatepass")
-        return stable_hash((key.model or "").encode() + b"\0" + prefix)
+        scope = (key.model or "") if key.adapter is None else adapter_prefix(key.adapter)
+        return stable_hash(scope.encode() + b"\0" + prefix)
 
     def choose(self, key: RouteKey, workers: Sequence[W]) -> W:
         if len(workers) == 1:
@@ -221,7 +245,7 @@ class CacheAware(Policy):
         exact = key.token_ids is not None and self._exact_for(workers)
         if exact:
             assert self._index is not None and key.token_ids is not None
-            key.cached_tokens = self._index.match(key.token_ids)
+            key.cached_tokens = self._index.match(key.token_ids, key.adapter)
         if len(workers) == 1:
             return workers[0]
         if load_imbalanced(workers, self._cfg):

@@ -279,6 +279,7 @@ class Proxy:
         refused = await self.ensure_model(key.model)
         if refused is not None:
             return self.answer(refused, started)
+        key.under_adapter(self.pool.adapter_for(key.model))
         if self.policy.needs_tokens and key.token_ids is None and payload is not None:
             await self.tokenize(key, payload, request)
         return await self.dispatch(request, body, key, started)

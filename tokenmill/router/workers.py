@@ -9,10 +9,19 @@ probes an ejected worker again and one good probe closes the circuit (half-open)
 also forgets the worker's cache state (the policy's tree, the KV index), because a worker
 that failed has often restarted with a cold cache.
 
-The health monitor also learns what each worker serves (``GET /v1/models``) and, for tokenmill
-workers that publish KV-cache events (``GET /server_info``'s ``kv_events``), keeps a subscriber
-that mirrors them into the router's ``KVIndex`` (a new one when the advertised endpoint changes,
-as it does when a worker restarts on free ports).
+The health monitor also learns what each worker serves (``GET /v1/models``, every round, so
+adapters loaded or unloaded at run time show within one interval) and, for tokenmill workers
+that publish KV-cache events (``GET /server_info``'s ``kv_events``), keeps a subscriber that
+mirrors them into the router's ``KVIndex`` (a new one when the advertised endpoint changes, as
+it does when a worker restarts on free ports).
+
+A worker serves the ids of its model cards. A card with a ``parent`` is a LoRA adapter of that
+base model (vLLM's shape, and tokenmill's): a request names it by its id or as
+``<base>:<adapter>`` (``base`` the card's parent or the worker's own base model, both of which
+tokenmill's server accepts), and runs under the adapter's name, which is how workers' KV events
+and the router's cache keys tell adapters apart (``adapter_for``). The body goes to the worker
+as the client sent it: a server that knows adapters only by their bare name (vLLM) answers
+the ``<base>:<adapter>`` form with its own 404.
 
 In PD mode (``pd.py``) every worker has a role, prefill or decode; each side's proxy sees the
 pool through ``WorkerPool.only(role)``: one set of workers and breakers, two candidate lists.
@@ -47,6 +56,9 @@ class Worker:
     static_models: frozenset[str] = frozenset()  # given by whoever added it (a launcher)
     models: frozenset[str] = frozenset()  # what it serves: static ones and its /v1/models
     cards: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models entries
+    bases: dict[str, str] = field(default_factory=dict)  # card id -> its parent, or itself
+    # every name a request may give one of its adapters (the id, <base>:<id>) -> the id
+    adapters: dict[str, str] = field(default_factory=dict)
     ejected: bool = False
     ejected_at: float = 0.0
     failures: int = 0  # consecutive failed requests
@@ -60,7 +72,14 @@ class Worker:
 
     def serves(self, model: str | None) -> bool:
         """A worker whose models are unknown (no /v1/models) is taken to serve any."""
-        return model is None or not self.models or model in self.models
+        return model is None or not self.models or model in self.models or model in self.adapters
+
+    def set_cards(self, cards: list[dict[str, Any]]) -> None:
+        """What its ``/v1/models`` lists now: the models it serves, adapters included."""
+        self.cards = [c for c in cards if isinstance(c, dict) and "id" in c]
+        self.bases = {str(c["id"]): str(c.get("parent") or c["id"]) for c in self.cards}
+        self.models = self.static_models | set(self.bases)
+        self.adapters = adapter_names(self.bases)
 
     def state(self) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "models": sorted(self.models),
@@ -68,6 +87,20 @@ class Worker:
                 "ejected": self.ejected, "consecutive_failures": self.failures,
                 "consecutive_probe_failures": self.probe_failures,
                 "in_flight": self.in_flight, "routed": self.routed}
+
+
+def adapter_names(bases: dict[str, str]) -> dict[str, str]:
+    """The names a request may give each adapter of one worker -> the adapter's id; ``bases``:
+    its cards' ids -> their parents (a base card is its own). ``<base>:<adapter>`` is accepted
+    for the card's parent and for the worker's base models, as tokenmill's server accepts both
+    (the parent differs when the adapter was registered with a ``base_model_name``)."""
+    own = [card for card, base in bases.items() if card == base]
+    out: dict[str, str] = {}
+    for card, base in bases.items():
+        if card != base:
+            out.update({f"{b}:{card}": card for b in (base, *own)})
+    out.update({card: card for card, base in bases.items() if card != base})  # ids win
+    return out
 
 
 def normalise_url(url: str) -> str:
@@ -123,7 +156,20 @@ class WorkerPool:
     def knows(self, model: str) -> bool:
         """Whether any worker, healthy or not, serves ``model``: a 503 (come back later)
         rather than a 404 (no such model) when all of those are down."""
-        return any(model in w.models for w in self._workers.values())
+        return any(model in w.models or model in w.adapters for w in self._workers.values())
+
+    def adapter_for(self, model: str | None) -> str | None:
+        """The LoRA adapter a request for ``model`` runs under (its id on the workers that
+        serve it: the name their KV events carry); None: a base model."""
+        if model is None:
+            return None
+        return next((w.adapters[model] for w in self._workers.values() if model in w.adapters),
+                    None)
+
+    def bases_of(self, model: str) -> set[str]:
+        """The base models that the healthy workers listing a card ``model`` give it (its
+        parent; a base model is its own): more than one and the name alone is ambiguous."""
+        return {w.bases[model] for w in self.candidates(model) if model in w.bases}
 
     def any_healthy(self) -> bool:
         return any(w.healthy for w in self._workers.values())
@@ -189,7 +235,7 @@ class HealthMonitor:
                 w.ejected_at = time.monotonic()  # half-open probe failed: a new cooldown
             return
         self.pool.record_probe_success(w)
-        await self._learn_models(w)
+        await self.learn_models(w)
         # every round: a worker restarted in between has new ports; a decode worker's cache
         # is not what PD mode routes on
         if self.kv is not None and w.role != "decode":
@@ -203,15 +249,16 @@ class HealthMonitor:
             r = await self.client.get(f"{w.url}/v1/models", timeout=self._timeout)
         return r.status_code == 200
 
-    async def _learn_models(self, w: Worker) -> None:
+    async def learn_models(self, w: Worker) -> None:
+        """Read what ``w`` serves now (also right after adapters are loaded through the
+        router, so they are routed at once)."""
         try:
             r = await self.client.get(f"{w.url}/v1/models", timeout=self._timeout)
             cards = r.json()["data"] if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             cards = None
         if isinstance(cards, list):  # else keep what it served before
-            w.cards = [c for c in cards if isinstance(c, dict) and "id" in c]
-            w.models = w.static_models | {str(c["id"]) for c in w.cards}
+            w.set_cards(cards)
 
 
 class KVSubscriptions:
