@@ -8,6 +8,15 @@ from pathlib import Path
 
 import pytest
 
+# Without a GPU the Triton kernels' tests run under Triton's interpreter. Triton reads the
+# variable when it is first imported, and libraries import it on their own (peft does), so it
+# is set before any test module is collected, not by the Triton tests themselves.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 @pytest.fixture(scope="session")
 def default_gguf_path():

@@ -9,6 +9,7 @@ is not zero and every adapter changes the output)."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import random
 from dataclasses import dataclass, field
@@ -27,7 +28,10 @@ from tokenmill.model.lora.peft import read_peft_adapter
 from tokenmill.request import LoRARequest
 from tokenmill.runner.batch import Chunk
 
-pytest.importorskip("peft")
+# peft is imported where it is used: importing it loads Triton, which must not happen while tests
+# are collected (conftest.py)
+if importlib.util.find_spec("peft") is None:
+    pytest.skip("peft is not installed", allow_module_level=True)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
