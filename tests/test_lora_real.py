@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from tests.test_lora_adapters import LoRAChunk
-from tokenmill.config import LoRAConfig
-from tokenmill.request import LoRARequest
 
-pytestmark = pytest.mark.slow  # the real model, twice
+pytestmark = pytest.mark.slow  # the real model
 
 PROMPTS = ["The capital of France is",
            "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n",
@@ -52,31 +50,25 @@ def references(hf_default_float32, tmp_path_factory):
     return base, tok, adapters
 
 
-def _runner(loras: list[LoRARequest]):
+@pytest.fixture(scope="module")
+def served(references):
     """The default model in float32 on the planned path (the fused CPU step where it builds),
-    serving ``loras``."""
-    from tokenmill.model.loader import load_model
-    from tokenmill.runner.lora import LoRAManager
-    from tokenmill.runner.model_runner import ModelRunner
+    serving the adapters, and their LoRARequests."""
+    from tokenmill import LLM
 
-    loaded = load_model("smollm2-135m-instruct", "cpu", "float32")
-    runner = ModelRunner(loaded, num_blocks=64, block_size=16)
-    runner.fuse_cpu_step()
-    ops = getattr(loaded.model.model.layers[0].self_attn.backend, "ops", None)
-    runner.lora = LoRAManager(loaded.model, LoRAConfig(enable_lora=True), loaded.config,
-                              torch.float32, ops)
-    for lora in loras:
-        runner.lora.add(lora)
-    return runner
+    llm = LLM("smollm2-135m-instruct", dtype="float32", enable_lora=True, max_loras=2)
+    loras = [llm.add_lora(name, str(d)) for name, (d, _) in references[2].items()]
+    yield llm, loras
+    llm.engine.shutdown()
 
 
-def test_logits_under_each_adapter_match_peft_merge(references):
+def test_logits_under_each_adapter_match_peft_merge(references, served):
     """One batch: the prompt under the base model and under each adapter. Each adapter's logits
     are within 1e-4 of its merged model's -- or, on a CPU where tokenmill's float32 base model
     is already further than that from transformers', no further than the base is."""
     base, tok, adapters = references
-    loras = [LoRARequest(name, i + 1, str(d)) for i, (name, (d, _)) in enumerate(adapters.items())]
-    runner = _runner(loras)
+    llm, loras = served
+    runner = llm.engine.executor.worker  # its model runner, before any request used the cache
     ids = tok(PROMPTS[0])["input_ids"]
     sequences = [None, *loras]
     chunks = [LoRAChunk(ids, 0, [1 + 2 * i, 2 + 2 * i], len(ids), SimpleNamespace(lora=lo))
@@ -94,14 +86,13 @@ def test_logits_under_each_adapter_match_peft_merge(references):
         assert (got - ours[0]).abs().max() > 0.5 and (ref - refs[0]).abs().max() > 0.5
 
 
-def test_greedy_text_equals_peft_merge_in_one_mixed_batch(references):
+def test_greedy_text_equals_peft_merge_in_one_mixed_batch(references, served):
     """Every prompt under base, adapter 1 and adapter 2, all in one ``LLM.generate``: each
     continuation equals transformers' greedy generation with PEFT's merged model."""
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import SamplingParams
 
     base, tok, adapters = references
-    llm = LLM("smollm2-135m-instruct", dtype="float32", enable_lora=True, max_loras=2)
-    loras = [llm.add_lora(name, str(d)) for name, (d, _) in adapters.items()]
+    llm, loras = served
     models = [base, *(merged for _, merged in adapters.values())]
     jobs = [(p, lo, m) for p in PROMPTS for lo, m in zip([None, *loras], models)]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
