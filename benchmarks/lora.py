@@ -49,21 +49,13 @@ from router import spawn  # noqa: E402
 
 from tokenmill.config import DEFAULT_MODEL  # noqa: E402
 from tokenmill.model.config_reader import read_model_config  # noqa: E402
+from tokenmill.model.lora.peft import PEFT_MODULES, module_key, module_shapes  # noqa: E402
 from tokenmill.router.replicas import free_port  # noqa: E402
 
-# PEFT's module names and the (out, in) sizes of each, from the model config
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def module_shapes(model: str) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(layers, {PEFT module name: (out_features, in_features)}) of ``model``."""
+def model_shapes(model: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(layers, {PEFT module name: (in_features, out_features)}) of ``model``."""
     _, cfg = read_model_config(model)
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"q_proj": (cfg.q_size, h), "k_proj": (cfg.kv_size, h), "v_proj": (cfg.kv_size, h),
-              "o_proj": (h, cfg.q_size), "gate_proj": (inter, h), "up_proj": (inter, h),
-              "down_proj": (h, inter)}
-    return cfg.num_layers, shapes
+    return cfg.num_layers, module_shapes(cfg)
 
 
 def write_adapter(directory: Path, layers: int, shapes: dict[str, tuple[int, int]], rank: int,
@@ -72,15 +64,14 @@ def write_adapter(directory: Path, layers: int, shapes: dict[str, tuple[int, int
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(layers):
-        for name, (out, inp) in shapes.items():
-            part = "self_attn" if name in _ATTN else "mlp"
-            key = f"base_model.model.model.layers.{i}.{part}.{name}"
+        for name, (inp, out) in shapes.items():
+            key = f"base_model.model.{module_key(i, name)}"  # as PEFT saves it
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) / inp ** 0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.02
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-              "target_modules": [*_ATTN, *_MLP], "lora_dropout": 0.0, "bias": "none",
+              "target_modules": list(PEFT_MODULES), "lora_dropout": 0.0, "bias": "none",
               "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
               "modules_to_save": None, "base_model_name_or_path": DEFAULT_MODEL}
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
@@ -130,7 +121,7 @@ def bench(url: str, model: str, args: argparse.Namespace, adapters: list[str]) -
 
 
 def run(args: argparse.Namespace) -> dict:
-    layers, shapes = module_shapes(DEFAULT_MODEL)
+    layers, shapes = model_shapes(DEFAULT_MODEL)
     root = Path(tempfile.mkdtemp(prefix="tokenmill-lora-bench-"))
     names = [f"adapter{i}" for i in range(args.adapters)]
     paths = [write_adapter(root / n, layers, shapes, args.rank, seed=i) for i, n in
