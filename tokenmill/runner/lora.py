@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -48,8 +49,8 @@ class LoRAManager:
         self.model_config = model_config
         self.dtype = dtype
         self.slots = LoRASlots(model, config.max_loras, ops)
+        # each with the fingerprint its files hashed to when added
         self._registered: dict[int, LoRARequest] = {}
-        self._fingerprints: dict[int, str] = {}  # what each adapter's files hashed to when added
         self._loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()  # least recent first
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter -> slot, least recent first
         self.load_seconds: dict[str, float] = {}  # per adapter name, its latest read
@@ -64,15 +65,13 @@ class LoRAManager:
                             f"changed (fingerprint {adapter.fingerprint}, registered as "
                             f"{lora.fingerprint})")
         self.remove(lora.lora_int_id)
-        self._registered[lora.lora_int_id] = lora
-        self._fingerprints[lora.lora_int_id] = adapter.fingerprint
+        self._registered[lora.lora_int_id] = replace(lora, fingerprint=adapter.fingerprint)
         self._keep(lora.lora_int_id, adapter, frozenset())
         return adapter.fingerprint
 
     def remove(self, lora_int_id: int) -> None:
         """Forget adapter ``lora_int_id``: its weights and its slot (an unknown id: nothing)."""
         self._registered.pop(lora_int_id, None)
-        self._fingerprints.pop(lora_int_id, None)
         self._unload(lora_int_id)
 
     def prepare(self, chunks: Sequence[SeqChunk], query_start: Sequence[int]) -> bool:
@@ -151,7 +150,7 @@ class LoRAManager:
             except LoRAError as e:
                 failed.append((lora, str(e)))
                 continue
-            self._registered.setdefault(i, lora)
+            self._registered.setdefault(i, replace(lora, fingerprint=adapter.fingerprint))
             self._keep(i, adapter, needed)
         if failed:
             raise LoRALoadError("; ".join(f"LoRA adapter {lora.lora_name!r} could not be "
@@ -160,8 +159,7 @@ class LoRAManager:
 
     def _reload(self, lora: LoRARequest) -> LoadedAdapter:
         adapter = self._read(lora)
-        expected = self._fingerprints.setdefault(lora.lora_int_id,
-                                                 lora.fingerprint or adapter.fingerprint)
+        expected = lora.fingerprint or adapter.fingerprint
         if adapter.fingerprint != expected:
             # its prefix-cache entries were keyed by the old fingerprint: serving the new
             # weights under them would mix two adapters' KV
