@@ -43,19 +43,17 @@ def build_flat_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    query_start = [0]
+    query_start = query_starts(chunks)
     seq_lens: list[int] = []
     logits_rows: list[int] = []
-    for c in chunks:
+    for c, end in zip(chunks, query_start[1:]):
         n, start = len(c.token_ids), c.start_pos
         input_ids.extend(c.token_ids)
         positions.extend(range(start, start + n))
         table = c.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size
                      for p in range(start, start + n))
-        end = query_start[-1] + n
         logits_rows.extend(range(end - (n if all_logits else c.num_logits), end))
-        query_start.append(query_start[-1] + n)
         seq_lens.append(start + n)
     max_blocks = max(len(c.block_table) for c in chunks)
     tables = [x for c in chunks
@@ -68,6 +66,14 @@ def build_flat_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.
         seq_lens_host=seq_lens, block_size=block_size,
         block_tables_host=[c.block_table for c in chunks])
     return FlatBatch(ids, pos, meta, rows)
+
+
+def query_starts(chunks: Sequence[SeqChunk]) -> list[int]:
+    """Where each chunk's rows start in the flat batch, and the end: ``[0, n0, n0 + n1, ...]``."""
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + len(c.token_ids))
+    return starts
 
 
 def to_device(parts: list[list[int]], device: torch.device | str) -> list[torch.Tensor]:

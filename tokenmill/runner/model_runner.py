@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.model.loader import LoadedModel
-from tokenmill.runner.batch import Chunk, SeqChunk, build_flat_batch
+from tokenmill.runner.batch import Chunk, SeqChunk, build_flat_batch, query_starts
 from tokenmill.runner.cpu_step import CpuStep, unsupported
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.kv_cache import allocate_kv_cache
@@ -138,14 +138,6 @@ class ModelRunner:
                 break
             chunk = Chunk([token], len(prompt_ids) + len(out) - 1, table)
         return out
-
-
-def query_starts(chunks: Sequence[SeqChunk]) -> list[int]:
-    """Where each chunk's rows start in the flat batch, and the end: ``[0, n0, n0 + n1, ...]``."""
-    starts = [0]
-    for c in chunks:
-        starts.append(starts[-1] + len(c.token_ids))
-    return starts
 
 
 def sample_step(sampler: Sampler, chunks: Sequence[ScheduledChunk], logits: torch.Tensor,
