@@ -121,6 +121,24 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+// out[0, n) = dtype(dtype(silu(gate)) * up) for n features of one row; g, u, y: n floats of
+// scratch. silu_and_mul runs it over a whole row, silu_and_mul_interleaved (lora.h) per block.
+template <typename T>
+inline void silu_mul_span(const T* gate, const T* up, T* out, int64_t n, float* g, float* u,
+                          float* y) {
+  load_row(gate, g, n);
+  load_row(up, u, n);
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(y + j, silu16(_mm512_loadu_ps(g + j)));
+#endif
+  for (; j < n; ++j) y[j] = g[j] / (1.0f + exp_clamped(-g[j]));
+  int64_t i = 0;
+  for (; i + Vec::W <= n; i += Vec::W)
+    store_as(Vec::mul(round_as<T>(Vec::load(y + i)), Vec::load(u + i)), out + i);
+  for (; i < n; ++i) out[i] = static_cast<T>(static_cast<float>(static_cast<T>(y[i])) * u[i]);
+}
+
 // x (T, 2I) = [gate | up] -> dtype(dtype(silu(gate)) * up), (T, I)
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
@@ -130,23 +148,8 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t xs = x.stride(0);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> g(n), u(n), y(n);
-    for (int64_t r = begin; r < end; ++r) {
-      load_row(xp + r * xs, g.data(), n);
-      load_row(xp + r * xs + n, u.data(), n);
-      int64_t j = 0;
-#if defined(__AVX512F__)
-      for (; j + 16 <= n; j += 16)
-        _mm512_storeu_ps(y.data() + j, silu16(_mm512_loadu_ps(g.data() + j)));
-#endif
-      for (; j < n; ++j) y[j] = g[j] / (1.0f + exp_clamped(-g[j]));
-      T* orow = op + r * n;
-      int64_t i = 0;
-      for (; i + Vec::W <= n; i += Vec::W)
-        store_as(Vec::mul(round_as<T>(Vec::load(y.data() + i)), Vec::load(u.data() + i)),
-                 orow + i);
-      for (; i < n; ++i)
-        orow[i] = static_cast<T>(static_cast<float>(static_cast<T>(y[i])) * u[i]);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      silu_mul_span(xp + r * xs, xp + r * xs + n, op + r * n, n, g.data(), u.data(), y.data());
   });
 }
 

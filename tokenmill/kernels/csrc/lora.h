@@ -24,6 +24,7 @@
 #include <torch/extension.h>  // pybind11, for register_lora
 
 #include "common.h"
+#include "layer_ops.h"
 
 namespace {
 
@@ -258,23 +259,9 @@ void silu_mul_blocks(const at::Tensor& x, at::Tensor& out, int64_t block) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> g(block), u(block), y(block);
     for (int64_t r = begin; r < end; ++r)
-      for (int64_t c = 0; c < n; c += block) {
-        load_row(xp + r * xs + 2 * c, g.data(), block);
-        load_row(xp + r * xs + 2 * c + block, u.data(), block);
-        int64_t j = 0;
-#if defined(__AVX512F__)
-        for (; j + 16 <= block; j += 16)
-          _mm512_storeu_ps(y.data() + j, silu16(_mm512_loadu_ps(g.data() + j)));
-#endif
-        for (; j < block; ++j) y[j] = g[j] / (1.0f + exp_clamped(-g[j]));
-        T* o = op + r * n + c;
-        int64_t i = 0;
-        for (; i + Vec::W <= block; i += Vec::W)
-          store_as(Vec::mul(round_as<T>(Vec::load(y.data() + i)), Vec::load(u.data() + i)),
-                   o + i);
-        for (; i < block; ++i)
-          o[i] = static_cast<T>(static_cast<float>(static_cast<T>(y[i])) * u[i]);
-      }
+      for (int64_t c = 0; c < n; c += block)
+        silu_mul_span(xp + r * xs + 2 * c, xp + r * xs + 2 * c + block, op + r * n + c, block,
+                      g.data(), u.data(), y.data());
   });
 }
 
