@@ -25,13 +25,23 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] = ()
+    # longrope (Phi-3/4): per-frequency divisors below / beyond the original context
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # longrope / yarn: cos and sin multiplied by this (None: the kind's own formula)
+    attention_factor: float | None = None
+    # yarn (gpt-oss): the ramp between interpolated and extrapolated frequencies
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder, independent of the file it was read from."""
+    """Shape of a model, independent of the file it was read from. The fields up to ``extra``
+    are what every family has or what code outside the model file reads (the KV cache, the
+    plan, attention); ``extra`` holds one family's own settings (``model/registry.py``)."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # a family in model/registry.py: "llama", "qwen3", "gemma3", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,7 +60,33 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # sliding-window attention: a query at position q sees keys at p with q - p < window;
+    # ``layer_types`` ("sliding_attention" / "full_attention" per layer) says which layers
+    # (empty: every layer, when ``sliding_window`` is set)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # mixture of experts: routed experts, how many each token takes, their MLP width
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    partial_rotary_factor: float = 1.0  # RoPE rotates this fraction of each head (Phi-4)
+    causal: bool = True  # False: a bidirectional encoder (BERT), which keeps no KV cache
+    task: str = "generate"  # what the model serves by default: "generate", "embed", "rerank"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer`` (None: it attends to every key)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def every_layer_windowed(self) -> bool:
+        """Every layer slides: KV blocks wholly behind the window are never read again."""
+        return self.sliding_window is not None and all(
+            self.window(i) is not None for i in range(self.num_layers))
 
     @cached_property
     def q_size(self) -> int:

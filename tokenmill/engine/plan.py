@@ -22,6 +22,7 @@ from tokenmill.executor.multiproc import DistributedSpec
 from tokenmill.executor.worker import WorkerSpec
 from tokenmill.model.config_reader import read_model_config, stored_block_formats
 from tokenmill.model.linear.plan import LinearPlan, plan_linears
+from tokenmill.model.registry import family
 from tokenmill.platform import Machine, choose_dtype, choose_kv_cache_dtype
 from tokenmill.runner.kv_cache import (bytes_per_block, check_kv_cache_dtype,
                                        default_kv_cache_bytes, num_kv_blocks)
@@ -216,6 +217,7 @@ def make_plan(config: EngineConfig, machine: Machine | None = None) -> Execution
     max_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                   model_cfg.max_position_embeddings)
     speculative, draft_cfg = _speculative(config, model_cfg, dtype)
+    _check_family(config, model_cfg)
     layout = ParallelLayout.plan(config.parallel, model_cfg)
     _check_parallel(config, layout)
     # distributed, the engine's process only samples: the cores are the ranks'
@@ -234,6 +236,21 @@ def make_plan(config: EngineConfig, machine: Machine | None = None) -> Execution
         max_num_seqs=config.scheduler.max_num_seqs, speculative=speculative,
         max_batched_tokens=config.scheduler.max_num_batched_tokens, parallel=config.parallel,
         layout=layout, kv_transfer=config.kv_transfer, lora=config.lora)
+
+
+def _check_family(config: EngineConfig, model_cfg: ModelConfig) -> None:
+    """What the model's family cannot run yet (``model/registry.py``), refused before anything
+    starts."""
+    fam = family(model_cfg.architecture)
+    if config.parallel.distributed and not fam.parallel:
+        raise ValueError(f"tensor / pipeline parallel ranks run Llama-family layers; "
+                         f"{model_cfg.architecture} runs in one process")
+    if config.lora.enable_lora and not fam.lora:
+        raise ValueError(f"LoRA adapters apply to Llama-family layers, not "
+                         f"{model_cfg.architecture}'s")
+    if config.speculative.speculative_method == "layerskip" and not fam.parallel:
+        raise ValueError(f"speculative_method layerskip drafts with Llama-family layers, not "
+                         f"{model_cfg.architecture}'s; use ngram or draft")
 
 
 def _check_parallel(config: EngineConfig, layout: ParallelLayout) -> None:
@@ -355,6 +372,8 @@ def _cpu_step(config: EngineConfig, machine: Machine, model_cfg: ModelConfig, ba
     caps = machine.kernel_caps
     if backend != "cpu":
         return "eager: needs the CPU kernels' attention and GEMM (AVX2 or AVX512)"
+    if not family(model_cfg.architecture).fused_step:
+        return f"eager: the fused step runs Llama-family layers, not {model_cfg.architecture}"
     if model_cfg.qk_norm:
         return "eager: per-head q/k norms (Qwen3) run eagerly"
     if model_cfg.dtype == "bfloat16" and not caps.bf16_gemm:

@@ -18,9 +18,7 @@ import torch
 from tokenmill.config import ModelConfig, RopeScaling
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.quant import GGUF_BLOCKS, QuantWeight, from_gguf_blocks
-
-# GGUF architecture -> our family name (Mistral files say "llama")
-_ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+from tokenmill.model.registry import GGUF_ARCHES, family, family_config_gguf
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -75,9 +73,9 @@ def field(reader, key: str, default=None):
 
 def gguf_model_config(reader, path: Path) -> ModelConfig:
     arch = field(reader, "general.architecture")
-    if arch not in _ARCHES:
+    if arch not in GGUF_ARCHES:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported "
-                             f"(supported: {', '.join(sorted(_ARCHES))})")
+                             f"(supported: {', '.join(sorted(GGUF_ARCHES))})")
 
     def meta(key: str, default=None):
         value = field(reader, f"{arch}.{key}", default)
@@ -88,8 +86,8 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     names = {t.name for t in reader.tensors}
     vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    return ModelConfig(
-        architecture=_ARCHES[arch],
+    cfg = ModelConfig(
+        architecture=GGUF_ARCHES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -107,6 +105,7 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(x for x in [field(reader, "tokenizer.ggml.eos_token_id")] if x is not None),
     )
+    return family_config_gguf(reader, arch, cfg)
 
 
 def _rope_scaling(reader, arch: str) -> RopeScaling:
@@ -129,10 +128,12 @@ def gguf_weights(reader, cfg: ModelConfig, path: Path, keep_quantized: bool = Fa
     """Yield (Hugging Face name, float32 tensor) for every weight tensor in the file; with
     ``keep_quantized``, 2-D tensors in Q8_0, Q4_0 or Q4_1 come as ``QuantWeight`` holding the
     file's own blocks instead."""
+    # llama.cpp permutes Q and K for its "llama" architecture (Llama, Mistral, Mixtral)
+    permuted = field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # precomputed RoPE factors; we compute them from the config
-        name = _hf_name(tensor.name, path)
+        name = _hf_name(tensor.name, path, cfg)
         qtype = tensor.tensor_type.name
         shape = tuple(int(d) for d in reversed(tensor.shape))  # innermost dimension last
         w: torch.Tensor | QuantWeight
@@ -144,21 +145,23 @@ def gguf_weights(reader, cfg: ModelConfig, path: Path, keep_quantized: bool = Fa
                                      f"{e}") from e
         else:
             w = torch.from_numpy(_dequantize(tensor, path))
-        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             w = w.rows(_undo_qk_permute(torch.arange(shape[0]), heads)) \
                 if isinstance(w, QuantWeight) else _undo_qk_permute(w, heads)
         yield name, w
 
 
-def _hf_name(name: str, path: Path) -> str:
+def _hf_name(name: str, path: Path, cfg: ModelConfig) -> str:
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m:
+        sub = family(cfg.architecture).gguf_names.get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+        if sub:
+            return f"model.layers.{m.group(1)}.{sub}.{m.group(3)}"
     base, _, kind = name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
-    raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a Llama-family model")
+    raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {cfg.architecture} model")
 
 
 def _dequantize(tensor, path: Path) -> np.ndarray:

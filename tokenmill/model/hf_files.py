@@ -1,4 +1,5 @@
-"""Read a Llama-family model from a local Hugging Face directory (config.json + safetensors)."""
+"""Read a model from a local Hugging Face directory (config.json + safetensors): the fields every
+family shares here, the family's own by its hook (``model/registry.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ import torch
 
 from tokenmill.config import ModelConfig, RopeScaling
 from tokenmill.errors import ModelLoadError
-
-# model_type in config.json -> our family name
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+from tokenmill.model.registry import HF_MODEL_TYPES, family_config_hf
 
 
 def read_json(path: Path) -> dict:
@@ -25,11 +24,12 @@ def read_json(path: Path) -> dict:
 def hf_model_config(model_dir: Path) -> ModelConfig:
     raw = read_json(model_dir / "config.json")
     model_type = raw.get("model_type")
-    if model_type not in _MODEL_TYPES:
+    if model_type not in HF_MODEL_TYPES:
         raise ModelLoadError(f"{model_dir}: model_type {model_type!r} is not supported "
-                             f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
+                             f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
     try:
-        return _config_from_dict(raw, _MODEL_TYPES[model_type], model_dir)
+        cfg = _config_from_dict(raw, HF_MODEL_TYPES[model_type], model_dir)
+        return family_config_hf(raw, cfg)
     except KeyError as e:
         raise ModelLoadError(f"{model_dir}/config.json lacks required key {e}") from e
 

@@ -152,7 +152,12 @@ def build_model(cfg: ModelConfig, device: str, backend: AttentionBackend,
 
 def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  origin: str) -> None:
-    """Copy checkpoint tensors into parameters through each parameter's weight_loader."""
+    """Copy checkpoint tensors into parameters through each parameter's weight_loader. A model
+    whose checkpoints name or shape tensors differently from its parameters (experts stored
+    one by one, a fused projection to split) maps them by its ``checkpoint_weights``."""
+    adapt = getattr(module, "checkpoint_weights", None)
+    if adapt is not None:
+        weights = adapt(weights)
     params = dict(module.named_parameters())
     loaded: set[str] = set()
     for name, tensor in weights:
