@@ -3,6 +3,8 @@
     python3 benchmarks/peers/peers.py install all --root ~/peers     # once; see that file
     python3 benchmarks/compare.py --root ~/peers                       # every installed peer
     python3 benchmarks/compare.py --root ~/peers --peers tokenmill,llamacpp --quick
+    python3 benchmarks/compare.py --root ~/peers --peers tokenmill,llamacpp \
+        --model gemma3-270m --points 'random c=1,random c=32' --out benchmarks/results/gemma3
 
 All engines are started at once, each on its own port, and stay up (idle servers take no CPU;
 the CPU time of the idle ones is recorded during every run to show it). Then, for each
@@ -178,6 +180,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=peer_mod.REPO / "benchmarks" / "results")
     ap.add_argument("--base-port", type=int, default=8100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=peer_mod.SERVED_NAME,
+                    help="a known model name whose GGUF file every engine serves (tokenmill "
+                         "and llama.cpp read the file; vLLM and hf need the default model)")
     ap.add_argument("--quick", action="store_true", help="two tiny points, to try the set-up")
     ap.add_argument("--points", default=None,
                     help="comma-separated point names to run (e.g. 'random c=1,random c=32'); "
@@ -189,6 +194,7 @@ def main() -> int:
                     help="run the one-at-a-time baseline (hf) at every point, not just c=1, c=8")
     args = ap.parse_args()
     root = args.root.expanduser().resolve()
+    peer_mod.SERVED_NAME = args.model  # every launch and bench request names it
     if args.report_only:
         write(json.loads((args.out / "compare.json").read_text()), args.out)
         return 0

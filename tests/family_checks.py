@@ -8,6 +8,7 @@ with ``write_word_tokenizer``, then calls these."""
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 from pathlib import Path
 
 import openai
@@ -32,10 +33,13 @@ def family_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 @torch.no_grad()
 def hf_greedy(hf, prompt: list[int], steps: int = STEPS) -> list[int]:
-    """transformers' greedy continuation of ``prompt`` (no stop token)."""
+    """transformers' greedy continuation of ``prompt``: ``steps`` tokens, none of them a stop
+    (as the engine's ignore_eos; min_new_tokens would instead forbid the end-of-sequence id)."""
+    config = copy.deepcopy(hf.generation_config)
+    config.eos_token_id = None
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
-                      min_new_tokens=steps, do_sample=False, pad_token_id=0)
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                      max_new_tokens=steps, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

@@ -104,10 +104,10 @@ def csrc_text() -> str:
 
 
 def bound_names() -> set[str]:
-    """The names the module binds: m.def("name", ...) and class_<T>(m, "name", ...)."""
+    """The names the module binds: m.def("name", ...) and class_<T[, holder]>(m, "name", ...)."""
     text = csrc_text()
     return (set(re.findall(r'\bm\.def\(\s*"(\w+)"', text))
-            | set(re.findall(r'class_<[\w:]+>\(\s*m\s*,\s*"(\w+)"', text)))
+            | set(re.findall(r'class_<[\w:]+(?:,\s*[\w:<>]+)?>\(\s*m\s*,\s*"(\w+)"', text)))
 
 
 def defines(text: str, name: str) -> bool:

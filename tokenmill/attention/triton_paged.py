@@ -27,6 +27,12 @@ cut into ``num_splits`` ranges of whole blocks, attended by separate programs; e
 partial output and log-sum-exp, and ``_merge_splits`` combines them. A sequence with no keys
 (``seq_len`` 0: a padded graph row) comes out as zeros.
 
+A sliding window (``window`` > 0, a runtime argument so one compiled kernel serves every
+window) gives each row a lower key bound too, and a tile's block range starts at the first
+block its first token sees, so blocks behind the window are never read. Sinks (one logit per
+query head, in the denominator only) join a program's running softmax after its blocks, in
+split 0 only, so merging the splits counts each once.
+
 Caches: the reference layout (``attention/base.py``), token-major ``(blocks, block_size,
 kv_heads, head_dim)`` in the compute dtype (or bfloat16 under float32, widened as loaded), or
 quantized rows of ``head_dim`` int8 / fp8 (e4m3) values followed by their float16 scale
@@ -93,7 +99,7 @@ def _load_kv_block(cache_ptr, scale_ptr, block, kv_head, offs_n, n_ok, offs_d, d
 
 
 @triton.jit
-def _attend_block(q, m, l, acc, b, seq, visible, num_keys, offs_d, d_ok, kv_head,
+def _attend_block(q, m, l, acc, b, seq, low, visible, num_keys, offs_d, d_ok, kv_head,
                   k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                   table_stride, scale, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, KV_FORMAT: tl.constexpr, PRECISION: tl.constexpr,
@@ -109,7 +115,8 @@ def _attend_block(q, m, l, acc, b, seq, visible, num_keys, offs_d, d_ok, kv_head
     k = _load_kv_block(k_cache_ptr, k_scale_ptr, block, kv_head, offs_n, n_ok, offs_d, d_ok,
                        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, KV_FORMAT).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (ROWS, KEY_PAD)
-    seen = (key_pos[None, :] <= visible[:, None]) & n_ok[None, :]
+    seen = (key_pos[None, :] <= visible[:, None]) & (key_pos[None, :] >= low[:, None])
+    seen = seen & n_ok[None, :]
     s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -125,13 +132,13 @@ def _attend_block(q, m, l, acc, b, seq, visible, num_keys, offs_d, d_ok, kv_head
 @triton.jit
 def _paged_attention(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_out_ptr,
-        part_lse_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
-        num_seqs, num_tokens, table_stride, scale,
+        part_lse_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr,
+        num_seqs, num_tokens, table_stride, scale, window,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
         KV_FORMAT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-        KEY_PAD: tl.constexpr, INTERPRET: tl.constexpr):
+        KEY_PAD: tl.constexpr, HAS_SINKS: tl.constexpr, INTERPRET: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -170,10 +177,14 @@ def _paged_attention(
         last = tl.minimum(first + BLOCK_Q, q_len)
         num_keys = ctx + last
         num_blocks = tl.cdiv(num_keys, BLOCK_SIZE)
-        per_split = tl.cdiv(num_blocks, NUM_SPLITS)
-        block_lo = split * per_split
+        visible = ctx + tok  # a row sees keys low..visible
+        low = tl.where(window > 0, visible - window + 1, 0)
+        # the first block the tile's first token sees (its window's start)
+        block_first = tl.maximum(ctx + first - window + 1, 0) // BLOCK_SIZE
+        block_first = tl.where(window > 0, block_first, 0)
+        per_split = tl.cdiv(num_blocks - block_first, NUM_SPLITS)
+        block_lo = block_first + split * per_split
         block_hi = tl.minimum(block_lo + per_split, num_blocks)
-        visible = ctx + tok  # a row sees keys 0..visible
 
         m = tl.full([ROWS], float("-inf"), tl.float32)
         l = tl.zeros([ROWS], tl.float32)
@@ -182,7 +193,7 @@ def _paged_attention(
             b = block_lo
             while b < block_hi:
                 m, l, acc = _attend_block(
-                    q, m, l, acc, b, seq, visible, num_keys, offs_d, d_ok, kv_head,
+                    q, m, l, acc, b, seq, low, visible, num_keys, offs_d, d_ok, kv_head,
                     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                     table_stride, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, KV_FORMAT,
                     PRECISION, KEY_PAD)
@@ -190,11 +201,19 @@ def _paged_attention(
         else:
             for b in range(block_lo, block_hi):
                 m, l, acc = _attend_block(
-                    q, m, l, acc, b, seq, visible, num_keys, offs_d, d_ok, kv_head,
+                    q, m, l, acc, b, seq, low, visible, num_keys, offs_d, d_ok, kv_head,
                     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                     table_stride, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, KV_FORMAT,
                     PRECISION, KEY_PAD)
 
+        if HAS_SINKS:
+            if split == 0:  # the sink as one more key, whose value is zero
+                sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+                m_new = tl.maximum(m, sink)
+                alpha = tl.exp(m - m_new)
+                acc = acc * alpha[:, None]
+                l = l * alpha + tl.exp(sink - m_new)
+                m = m_new
         out_mask = row_ok[:, None] & d_ok[None, :]
         o = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row without keys: zeros
         if NUM_SPLITS == 1:
@@ -255,7 +274,8 @@ class TritonPagedBackend(AttentionBackend):
         _store_kv[(n,)](k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping,
                         ROW=row, ROW_PAD=_next_pow2(row))
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, *,
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.store_kv(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache
         num_tokens, num_heads, head_dim = q.shape
@@ -285,13 +305,14 @@ class TritonPagedBackend(AttentionBackend):
         tables = meta.block_tables
         _paged_attention[(num_tiles, num_kv_heads, splits)](
             q.contiguous(), k_cache, v_cache, k_scale, v_scale, out, part_out, part_lse,
-            meta.query_start_loc, meta.seq_lens, tables, num_seqs, num_tokens,
-            tables.stride(0), scale,
+            meta.query_start_loc, meta.seq_lens, tables,
+            q if sinks is None else sinks.float().contiguous(), num_seqs, num_tokens,
+            tables.stride(0), scale, window or 0,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad,
             HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_Q=block_q, BLOCK_SIZE=block_size,
             NUM_SPLITS=splits, KV_FORMAT=fmt, PRECISION="ieee" if dot_fp32 else "tf32",
             DOT_FP32=dot_fp32, KEY_PAD=max(MIN_DOT, _next_pow2(block_size)),
-            INTERPRET=INTERPRETED)
+            HAS_SINKS=sinks is not None, INTERPRET=INTERPRETED)
         if splits > 1:
             _merge_splits[(num_tokens * num_heads,)](
                 part_out, part_lse, out, num_tokens, NUM_HEADS=num_heads, HEAD_DIM=head_dim,

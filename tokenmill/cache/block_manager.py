@@ -42,6 +42,22 @@ shared block::
 
     before the step   [A: 4 verified]  [B: v v v d1]  [C: d2 d3 -- --]     d = draft token
     d1 accepted, d2 rejected -> trim to 8 tokens:  [A] [B]   C back to the free queue
+
+Sliding window (``sliding_window``, which the engine sets for a model every layer of which slides,
+``ModelConfig.every_layer_windowed``, and leaves None under speculative decoding, whose drafter
+writes through the same tables, and with a KV connector, which may read any block): when a
+sequence's next chunk is allocated, ``release_behind`` drops its references to the blocks wholly
+before the first key the chunk's first query sees; their table entries become the null block 0,
+which the attention kernels never read (they start at the window's first block)::
+
+    window 6, next query at position 12: keys 7.. visible    [0] [0] [B2] [B3]
+                                                               0-3 4-7 8-11 12-
+
+A released block goes back to the free queue unless the prefix cache or a sibling still holds
+it. Releasing also gives up the sequence's lock on its cached prefix (that path stays cached,
+now evictable), and a table with released entries inserts nothing more into the cache (a
+cached path must start at the first block). Models mixing local and global layers (Gemma 3,
+gpt-oss) release nothing: one block table serves every layer, and a global layer reads all of it.
 """
 
 from __future__ import annotations
@@ -61,6 +77,8 @@ def slot_of(block_table: list[int], pos: int, block_size: int) -> int:
 
 class KVBlockManager:
     """Maps request ids to block tables; the only code that takes blocks from the pool."""
+
+    sliding_window: int | None = None  # blocks behind it are released (see above)
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_prefix_caching: bool = True) -> None:
@@ -105,7 +123,10 @@ class KVBlockManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the table to cover ``num_computed_tokens + num_new_tokens``, evicting cached
-        prefixes if the free queue is short; False (and no new blocks) when still too few."""
+        prefixes if the free queue is short; False (and no new blocks) when still too few.
+        Under a sliding window the blocks behind the chunk's window are released first."""
+        if self.sliding_window is not None:  # the chunk's first query is at num_computed_tokens
+            self.release_behind(request, request.num_computed_tokens - self.sliding_window + 1)
         needed = self.num_blocks_needed(request, num_new_tokens)
         if needed > self.pool.num_free_blocks:
             self.prefix_cache.evict(needed - self.pool.num_free_blocks)
@@ -172,6 +193,28 @@ class KVBlockManager:
             del self._tables[request.request_id]
         return len(dropped)
 
+    def release_behind(self, request: Request, first_visible: int) -> int:
+        """Release the sequence's blocks wholly before position ``first_visible`` (the first key
+        its next query sees under a sliding window); returns how many it released."""
+        table = self._tables.get(request.request_id)
+        if not table:
+            return 0
+        released = 0
+        for i in range(min(first_visible // self.block_size, len(table))):
+            if table[i] != NULL_BLOCK:
+                self.pool.free(table[i])
+                table[i] = NULL_BLOCK
+                released += 1
+        handle = self._handles.pop(request.request_id, None) if released else None
+        if handle is not None:  # it no longer holds that path's first blocks
+            self.prefix_cache.unlock(handle)
+        return released
+
+    def _cacheable_blocks(self, table: list[int], num_full: int) -> int:
+        """How many of the first ``num_full`` blocks the prefix cache may take: none once the
+        window released the table's first ones (a cached path starts at the first block)."""
+        return 0 if table and table[0] == NULL_BLOCK else num_full
+
     def cacheable_prefix_len(self, request: Request) -> int:
         """Tokens a cache hit may cover: whole blocks short of the last known token, which must
         be computed to have logits to sample from."""
@@ -203,6 +246,7 @@ class KVBlockManager:
         now, so that requests arriving meanwhile hit them; the sequence locks the new path."""
         table = self._tables.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        num_full = self._cacheable_blocks(table, num_full)
         old = self._handles.get(request.request_id)
         if num_full * self.block_size <= (old.num_tokens if old else 0):
             return
@@ -225,7 +269,8 @@ class KVBlockManager:
             raise CacheIntegrityError(f"fork into {child.request_id!r}, which already has blocks")
         shared = self.block_table(parent.request_id)[:num_tokens // self.block_size]
         for block_id in shared:
-            self.pool.incref(block_id)
+            if block_id != NULL_BLOCK:  # released behind the window: the child skips it too
+                self.pool.incref(block_id)
         if shared:
             self._tables[child.request_id] = shared
 
@@ -235,6 +280,7 @@ class KVBlockManager:
         the prefix cache first."""
         table = self._tables.pop(request.request_id, [])
         num_full = min(num_cacheable_tokens // self.block_size, len(table))
+        num_full = self._cacheable_blocks(table, num_full)
         if num_full:
             tokens = request.token_ids_slice(0, num_full * self.block_size)
             self.prefix_cache.insert(tokens, table[:num_full], request.prefix_namespace,
@@ -244,7 +290,8 @@ class KVBlockManager:
             self.prefix_cache.unlock(handle)
         # Tail first: with prefix caching, the most specific blocks should be evicted first.
         for block_id in reversed(table):
-            self.pool.free(block_id)
+            if block_id != NULL_BLOCK:
+                self.pool.free(block_id)
 
     def flush_prefix_cache(self) -> int:
         """Drop every unlocked cached prefix; returns the number of blocks dropped."""
@@ -261,9 +308,11 @@ class KVBlockManager:
         if set(self._handles) - set(self._tables):
             raise CacheIntegrityError("a sequence without blocks holds a prefix lock")
         for request_id, table in self._tables.items():
-            if not table or NULL_BLOCK in table or len(set(table)) != len(table):
+            # released entries (null) only before the live ones
+            live = table[next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table)):]
+            if not table or NULL_BLOCK in live or len(set(live)) != len(live):
                 raise CacheIntegrityError(f"bad block table for {request_id!r}: {table}")
-            held.update(table)
+            held.update(live)
         for block_id in range(1, self.pool.num_blocks):
             if held[block_id] != self.pool.ref_count(block_id):
                 raise CacheIntegrityError(

@@ -99,6 +99,12 @@ def _build_parts(config: EngineConfig, plan: ExecutionPlan) -> EngineParts:
                           eos_token_ids={*tokenizer.eos_token_ids,
                                          *plan.model_config.eos_token_ids},
                           connector=connector, max_loras=_max_loras(config))
+    if plan.model_config.every_layer_windowed and connector is None \
+            and not config.speculative.speculative_method:
+        # blocks wholly behind every layer's window are never read again: released as the
+        # sequence moves on (not with a KV connector, which may read any block, nor under
+        # speculation, whose drafter writes through the same tables)
+        scheduler.block_manager.sliding_window = plan.model_config.sliding_window
     if connector is not None and hasattr(connector, "blocks_evicted"):  # offload tiers
         scheduler.block_manager.prefix_cache.set_block_listener(connector)
     proposer = build_decoder(config.speculative, draft, executor.kv_capacity,

@@ -104,23 +104,55 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(x for x in [field(reader, "tokenizer.ggml.eos_token_id")] if x is not None),
+        sliding_window=int(field(reader, f"{arch}.attention.sliding_window") or 0) or None,
     )
     return family_config_gguf(reader, arch, cfg)
 
 
 def _rope_scaling(reader, arch: str) -> RopeScaling:
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:
+    tensors = {t.name: t for t in reader.tensors if t.name in _ROPE_TENSORS}
+    if "rope_freqs.weight" in tensors:
         # Llama 3.1 files carry the scaling as per-frequency divisors, not as parameters.
-        return RopeScaling(kind="freq_factors",
-                           freq_factors=tuple(float(x) for x in np.asarray(freqs.data).ravel()))
+        return RopeScaling(kind="freq_factors", freq_factors=_floats(tensors["rope_freqs.weight"]))
+    if "rope_factors_long.weight" in tensors:  # LongRoPE (Phi-3/4)
+        return _gguf_longrope(reader, arch, tensors)
     kind = field(reader, f"{arch}.rope.scaling.type", "none")
     factor = float(field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
     if kind in ("none", None) or factor == 1.0:
         return RopeScaling()
     if kind == "linear":
         return RopeScaling(kind="linear", factor=factor)
+    if kind == "yarn":
+        beta_fast = field(reader, f"{arch}.rope.scaling.yarn_beta_fast")
+        beta_slow = field(reader, f"{arch}.rope.scaling.yarn_beta_slow")
+        attention = field(reader, f"{arch}.rope.scaling.attn_factor")
+        original = field(reader, f"{arch}.rope.scaling.original_context_length")
+        return RopeScaling(kind="yarn", factor=factor, beta_fast=float(beta_fast or 32),
+                           beta_slow=float(beta_slow or 1),
+                           attention_factor=None if attention is None else float(attention),
+                           original_max_position_embeddings=int(original or 4096))
     raise ModelLoadError(f"GGUF RoPE scaling type {kind!r} is not supported")
+
+
+# RoPE tables a converter may store as tensors: read into the config, never loaded as weights
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _floats(tensor) -> tuple[float, ...]:
+    return tuple(float(x) for x in np.asarray(tensor.data).ravel())
+
+
+def _gguf_longrope(reader, arch: str, tensors: dict) -> RopeScaling:
+    """llama.cpp's Phi-3 LongRoPE: the factors as tensors, the attention factor and the
+    original context as metadata (the context length is the extended one)."""
+    context = int(field(reader, f"{arch}.context_length", 4096))
+    original = int(field(reader, f"{arch}.rope.scaling.original_context_length", context))
+    attention = field(reader, f"{arch}.rope.scaling.attn_factor")
+    return RopeScaling(kind="longrope", factor=context / original,
+                       original_max_position_embeddings=original,
+                       short_factor=_floats(tensors["rope_factors_short.weight"]),
+                       long_factor=_floats(tensors["rope_factors_long.weight"]),
+                       attention_factor=None if attention is None else float(attention))
 
 
 def gguf_weights(reader, cfg: ModelConfig, path: Path, keep_quantized: bool = False
@@ -131,8 +163,8 @@ def gguf_weights(reader, cfg: ModelConfig, path: Path, keep_quantized: bool = Fa
     # llama.cpp permutes Q and K for its "llama" architecture (Llama, Mistral, Mixtral)
     permuted = field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            continue  # precomputed RoPE factors; we compute them from the config
+        if tensor.name in _ROPE_TENSORS:
+            continue  # RoPE factors: in the config (_rope_scaling), not weights
         name = _hf_name(tensor.name, path, cfg)
         qtype = tensor.tensor_type.name
         shape = tuple(int(d) for d in reversed(tensor.shape))  # innermost dimension last

@@ -20,7 +20,8 @@ from tokenmill.model.linear.dense import Dense
 from tokenmill.model.quant import QuantWeight, concat_rows, dequantize, embedding_rows
 
 __all__ = ["Embedding", "Linear", "RMSNorm", "RotaryEmbedding", "ShardedLinear", "apply_rope",
-           "default_weight_loader", "empty_param", "fused_ops", "rope_inv_freq", "silu_and_mul"]
+           "default_weight_loader", "empty_param", "fused_ops", "rope_attention_factor",
+           "rope_inv_freq", "silu_and_mul"]
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -193,17 +194,59 @@ class RMSNorm(nn.Module):
 _NO_RESIDUAL = torch.empty(0)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, *,
+                  long: bool = False) -> torch.Tensor:
+    """RoPE's (head_dim / 2,) frequencies under ``scaling``; ``head_dim``: the dims rotated
+    (partial rotary: a fraction of the head). ``long``: LongRoPE's set for sequences beyond
+    the original context (else its short set)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / theta ** exponents
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     if scaling.kind == "freq_factors":
         return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
+    if scaling.kind == "longrope":
+        factors = scaling.long_factor if long else scaling.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(theta ** exponents, head_dim, theta, scaling)
     if scaling.kind != "default":
         raise ValueError(f"unsupported RoPE scaling type {scaling.kind!r}")
     return inv_freq
+
+
+def rope_attention_factor(scaling: RopeScaling) -> float:
+    """What cos and sin are multiplied by: the config's ``attention_factor``, else LongRoPE's
+    sqrt(1 + ln(factor) / ln(original context)) or YaRN's 0.1 ln(factor) + 1 (1 unscaled)."""
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.kind not in ("longrope", "yarn") or scaling.factor <= 1.0:
+        return 1.0
+    if scaling.kind == "longrope":
+        return math.sqrt(1 + math.log(scaling.factor)
+                         / math.log(scaling.original_max_position_embeddings))
+    return 0.1 * math.log(scaling.factor) + 1.0
+
+
+def _yarn_inv_freq(powers: torch.Tensor, dim: int, theta: float,
+                   s: RopeScaling) -> torch.Tensor:
+    """YaRN: dims that turn more than ``beta_fast`` times within the original context keep
+    their frequency, those turning under ``beta_slow`` times are slowed by ``factor``, a linear
+    ramp between. ``powers``: theta ** (2i / dim), (dim / 2,): 1 / the plain frequencies."""
+    def dim_of(turns: float) -> float:  # the dim that turns ``turns`` times in the context
+        ctx = s.original_max_position_embeddings
+        return dim * math.log(ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:  # gpt-oss keeps the exact (untruncated) bounds
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low
+                                                                  else 0.001)
+    keep = 1 - ramp.clamp(0, 1)  # 1: the original frequency, 0: slowed by factor
+    return 1.0 / (s.factor * powers) * (1 - keep) + 1.0 / powers * keep
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -220,32 +263,86 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (the Hugging Face layout) with a precomputed cos/sin table."""
+    """Rotate-half RoPE (the Hugging Face layout) with a precomputed cos/sin table of the first
+    ``rotary_dim`` dims of a head (partial rotary, Phi-4-mini: the rest pass unrotated), both
+    multiplied by the scaling's attention factor (LongRoPE, YaRN).
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
+    LongRoPE (Phi-3/4) keeps two tables in one: rows ``[0, max)`` from the long factors at
+    every position, then rows ``[max, max + original)`` from the short ones at the positions
+    within the original context (no later position takes them); ``rows`` picks each token's.
+    The choice is per sequence, as transformers makes it: every token of a sequence longer
+    than the original context takes the long factors. transformers' Phi-3 generate recomputes
+    the whole sequence when it crosses that length while decoding; here the K cached before
+    the crossing keep the short factors unless the scheduler recomputes the sequence then
+    (a prompt longer than the original context takes the long factors from its first token).
+    Prefix-cache blocks are shared by token ids alone: one written under the other factors is
+    reused as it is unless the cache tells the two apart."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling,
+                 rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (max_positions, head_dim / 2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.rotary_dim = rotary_dim or head_dim
+        self.max_positions = max_positions
+        # LongRoPE: a sequence up to this long takes the short factors
+        self.original_max = scaling.original_max_position_embeddings \
+            if scaling.kind == "longrope" else None
+        tables = [(max_positions, True)] if self.original_max is None else \
+            [(max_positions, True), (min(self.original_max, max_positions), False)]
+        freqs = torch.cat([  # (rows, rotary_dim / 2)
+            torch.outer(torch.arange(n, dtype=torch.float32),
+                        rope_inv_freq(self.rotary_dim, theta, scaling, long=long))
+            for n, long in tables])
+        scale = rope_attention_factor(scaling)
+        cos, sin = freqs.cos(), freqs.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the batch's positions; looked up once per step, used by every layer."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # (num_tokens, 1, head_dim / 2)
+        """cos and sin for the batch's table rows (its positions, or ``rows``' for LongRoPE);
+        looked up once per step, used by every layer."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # (num_tokens, 1, rotary_dim / 2)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         return cos, sin
+
+    def rows(self, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The table row of each token of a flat batch (``meta``: its ``AttentionMetadata``):
+        its position, in the short table where its sequence is within the original context.
+        A sequence's length is every token of it known when the step was scheduled
+        (``meta.known_lens_host``) where the batch says, else its length after this step: a
+        prompt longer than the original context then takes the short factors in a first chunk
+        that ends within it. A position beyond the original context is always long."""
+        if self.original_max is None:
+            return positions
+        if meta.is_pure_decode:  # a sequence's length is its seq_len: read on the device, so
+            # a captured decode graph (whose host lists are placeholders) stays right
+            return positions + (meta.seq_lens <= self.original_max) * self.max_positions
+        lengths = getattr(meta, "known_lens_host", None) or meta.seq_lens_host
+        long_requests = [n > self.original_max for n in lengths]
+        if all(long_requests):
+            return positions
+        if not any(long_requests) and max(meta.seq_lens_host) <= self.original_max:
+            return positions + self.max_positions  # all within the original context: short
+        long = torch.tensor(long_requests).repeat_interleave(torch.tensor(meta.query_lens_host))
+        short = ~(long.to(positions.device) | (positions >= self.original_max))  # (num_tokens,)
+        return positions + short * self.max_positions
 
 
 def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                ops=None) -> torch.Tensor:
     """Rotate-half RoPE of ``x`` (num_tokens, heads, head_dim); q and k heads may be stacked.
-    With the CPU kernels (bf16/fp16) ``x`` is rotated in place and returned."""
+    Partial rotary (cos/sin narrower than half a head): the leading ``rotary_dim`` dims of each
+    head rotate among themselves, the rest pass through. With the CPU kernels (bf16/fp16) ``x``
+    is rotated in place and returned."""
     cos, sin = cos_sin
+    rotary_dim = 2 * cos.shape[-1]
     ops = fused_ops(x, ops)
-    if ops is not None:
-        ops.rope_(x, cos.squeeze(1), sin.squeeze(1))
+    if ops is not None:  # the kernel takes any (tokens, heads) strides: no copy for partial
+        ops.rope_(x[..., :rotary_dim], cos.squeeze(1), sin.squeeze(1))
         return x
-    x1, x2 = x.float().chunk(2, dim=-1)  # (num_tokens, heads, head_dim / 2) each
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    x1, x2 = x[..., :rotary_dim].float().chunk(2, dim=-1)  # (num_tokens, heads, rotary_dim / 2)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rotary_dim:]), dim=-1)

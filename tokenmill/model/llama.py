@@ -26,8 +26,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None, layer: int = 0):
         super().__init__()
+        self.window = cfg.window(layer)  # sliding window (Mistral, Phi-3); None: every key
         self.comm = comm  # partial o_proj sums are all-reduced (tensor parallel)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
@@ -55,7 +56,7 @@ class LlamaAttention(nn.Module):
             q = apply_rope(self.q_norm(q.view(n, heads, d)), rope)
             k = apply_rope(self.k_norm(k.view(n, kv_heads, d)), rope)
         v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
         out = self.o_proj(o.reshape(n, -1))
         return out if self.comm is None else self.comm.all_reduce(out)
 
@@ -78,10 +79,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend, comm)
+        self.self_attn = LlamaAttention(cfg, backend, comm, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, comm)
 
@@ -103,8 +104,8 @@ class LlamaModel(nn.Module):
                                       *((comm.vocab_start, comm) if comm is not None else ()))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, comm)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, comm, i)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # the layer loop in one call (runner/cpu_step.py), set by the runner where it applies;
         # it returns None for a batch it does not take, which then runs layer by layer

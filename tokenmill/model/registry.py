@@ -49,18 +49,56 @@ def _hook(path: str) -> Callable:
 
 
 _LLAMA = Family("tokenmill.model.llama:LlamaForCausalLM", fused_step=True, parallel=True,
-                lora=True)
+                lora=True,  # a "llama" GGUF with experts is Mixtral: its hook says so
+                gguf_config=_hook("tokenmill.model.moe_families:gguf_llama"))
+
+# mixture of experts (model/moe_families.py): llama.cpp's expert tensors, stacked (E, out, in)
+_MOE_GGUF = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+             "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+             "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+             "ffn_up_shexp": "mlp.shared_expert.up_proj",
+             "ffn_down_shexp": "mlp.shared_expert.down_proj",
+             "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+_MOE = "tokenmill.model.moe_families:MoEForCausalLM"
+_QWEN_MOE = Family(_MOE, hf_config=_hook("tokenmill.model.moe_families:hf_qwen_moe"),
+                   gguf_config=_hook("tokenmill.model.moe_families:gguf_qwen_moe"),
+                   gguf_names=_MOE_GGUF)
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
+    "qwen2_moe": _QWEN_MOE, "qwen3_moe": _QWEN_MOE,
+    "mixtral": Family(_MOE, hf_config=_hook("tokenmill.model.moe_families:hf_mixtral"),
+                      gguf_names=_MOE_GGUF, fused_step=True),
+    "gpt_oss": Family(_MOE, hf_config=_hook("tokenmill.model.moe_families:hf_gpt_oss")),
+    "gemma3": Family("tokenmill.model.gemma3:Gemma3ForCausalLM",
+                     hf_config=_hook("tokenmill.model.gemma3:hf_config"),
+                     gguf_config=_hook("tokenmill.model.gemma3:gguf_config"),
+                     gguf_names={"post_attention_norm": "post_attention_layernorm",
+                                 "ffn_norm": "pre_feedforward_layernorm",
+                                 "post_ffw_norm": "post_feedforward_layernorm"}),
+    "phi3": Family("tokenmill.model.phi3:Phi3ForCausalLM",
+                   hf_config=_hook("tokenmill.model.phi3:hf_config"),
+                   gguf_config=_hook("tokenmill.model.phi3:gguf_config"),
+                   gguf_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
+    # encoders (model/bert.py): the hook makes a sequence classifier "bert_classifier"
+    "bert": Family("tokenmill.model.bert:BertModel",
+                   hf_config=_hook("tokenmill.model.bert:hf_config")),
+    "bert_classifier": Family("tokenmill.model.bert:BertForSequenceClassification",
+                              hf_config=_hook("tokenmill.model.bert:hf_config")),
 }
 
 # config.json's model_type -> family
 HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
-                                  "qwen3": "qwen3"}
+                                  "qwen3": "qwen3",
+                                  "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
+                                  "mixtral": "mixtral", "gpt_oss": "gpt_oss",
+                                  "gemma3_text": "gemma3", "gemma3": "gemma3",
+                                  "phi3": "phi3", "bert": "bert"}
 # GGUF general.architecture -> family (Mistral files say "llama")
 GGUF_ARCHES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
-                               "qwen3": "qwen3"}
+                               "qwen3": "qwen3",
+                               "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+                               "gemma3": "gemma3", "phi3": "phi3"}
 
 
 def family(architecture: str) -> Family:

@@ -64,7 +64,9 @@ def build_flat_batch(chunks: Sequence[SeqChunk], block_size: int, device: torch.
         query_start_loc=qsl, seq_lens=lens, block_tables=table.view(len(chunks), max_blocks),
         slot_mapping=slot, query_lens_host=[len(c.token_ids) for c in chunks],
         seq_lens_host=seq_lens, block_size=block_size,
-        block_tables_host=[c.block_table for c in chunks])
+        block_tables_host=[c.block_table for c in chunks],
+        known_lens_host=[getattr(c, "num_known_tokens", None) or c.start_pos + len(c.token_ids)
+                         for c in chunks])
     return FlatBatch(ids, pos, meta, rows)
 
 

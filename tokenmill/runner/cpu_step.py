@@ -11,7 +11,12 @@ prefixes, shared-prefix cascades), so unlike a graph nothing is captured per bat
 there is no start-up cost. ``--enforce-eager`` keeps the Python path. Each linear's kernel
 (``model/linear/``) hands over what the C++ step multiplies it with (``StepWeight``), filled
 into the kernels' named ``LayerWeights``; ``num_layers`` runs only the first layers, as the
-eager model does for layer-skip drafting.
+eager model does for layer-skip drafting. A sliding-window layer (Mistral, Phi-3) carries its
+window in ``LayerWeights.window`` and takes the backend's plan for that window (one window per
+model); attention sinks are not fused (gpt-oss runs eagerly). A mixture-of-experts layer
+(Mixtral) hands its router and grouped experts over as one ``MoEExperts`` (``model/moe.py``'s
+``build_grouped``, ``csrc/moe.h``) in ``LayerWeights.moe``; a shared expert (Qwen2-MoE) runs
+eagerly.
 
 Under tensor parallelism the model's layers hold a rank's share (its heads, its part of the
 MLP), and the step takes the group's shared-memory all-reduce (``distributed/shm.py``'s
@@ -29,13 +34,33 @@ import torch
 from tokenmill.attention.cpu_paged import CASCADE_TILE, TILE, CpuPagedBackend
 from tokenmill.model.linear import StepWeight
 from tokenmill.model.lora.slots import LoRASlots, layer_linears
+from tokenmill.model.moe import build_grouped
 
 # the packed GEMM the kernels' DecoderStack runs for each compute dtype (StepWeight.gemm)
 _GEMM = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def _step_weights(layer: torch.nn.Module) -> dict[str, StepWeight | None]:
+    if _routed(layer):  # its experts run through their own MoEExperts (model/moe.py)
+        a = layer.self_attn
+        return {"qkv": a.qkv_proj.kernel.step_weight(), "o": a.o_proj.kernel.step_weight()}
     return {name: lin.kernel.step_weight() for name, lin in layer_linears(layer).items()}
+
+
+def _routed(layer: torch.nn.Module) -> bool:
+    """A mixture-of-experts layer: routed experts for an MLP (model/moe.py's SparseMoE)."""
+    return hasattr(layer.mlp, "experts")
+
+
+def _moe_unsupported(layer: torch.nn.Module, ops) -> str | None:
+    """Why a mixture-of-experts layer cannot run fused (None: it can, by its MoEExperts)."""
+    if getattr(layer.mlp, "shared_expert", None) is not None:
+        return "a shared expert (Qwen2-MoE) runs eagerly"
+    if getattr(layer.self_attn, "sinks", None) is not None:
+        return "attention sinks (gpt-oss) run eagerly"
+    if build_grouped(layer.mlp, ops) is None:
+        return "experts without packed weights of one kind run eagerly"
+    return None
 
 
 class CpuStep:
@@ -66,6 +91,8 @@ class CpuStep:
             self.dense_from_rows or 0, all_reduce)
         self.all_reduce = all_reduce
         self.backend: CpuPagedBackend = attn.backend
+        windows = {getattr(layer.self_attn, "window", None) for layer in inner.layers} - {None}
+        self.window: int | None = windows.pop() if windows else None  # unsupported: at most one
         self.lora: LoRASlots | None = None
         hook = inner.layers[0].self_attn.qkv_proj.lora  # LoRA slots built before this step
         if hook is not None:
@@ -94,12 +121,16 @@ class CpuStep:
             return None
         n = len(kv_caches) if num_layers is None else num_layers
         plan = self.backend.plan(meta)
+        # the windowed layers' plan, unless the window hides no key this step (the same plan)
+        local = plan if self.window is None else self.backend.plan(meta, self.window)
+        windowed = [] if local is plan else [local.key_start_block, local.key_low]
         cos, sin = rope
         h, residual = self.stack.forward(
             h, cos.squeeze(1), sin.squeeze(1), [k for k, _ in kv_caches[:n]],
             [v for _, v in kv_caches[:n]], meta.slot_mapping,
             meta.block_tables, meta.query_start_loc, plan.key_start_block, plan.key_limit,
-            plan.empty, list(plan.shared) if plan.shared is not None else [], n, residual)
+            plan.empty, list(plan.shared) if plan.shared is not None else [], windowed, n,
+            residual)
         return h, residual
 
 
@@ -109,6 +140,9 @@ def _layer_weights(ops, layer: torch.nn.Module, steps: dict[str, StepWeight]):
     w = ops.LayerWeights()
     w.input_norm = layer.input_layernorm.weight.detach()
     w.post_norm = layer.post_attention_layernorm.weight.detach()
+    w.window = getattr(layer.self_attn, "window", None) or 0
+    if _routed(layer):
+        w.moe = build_grouped(layer.mlp, ops)
     for name, step in steps.items():
         setattr(w, name, step.packed)
         setattr(w, f"{name}_bias", None if step.bias is None else step.bias.detach())
@@ -131,14 +165,19 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return f"{dtype} runs eagerly"
     if dtype == torch.bfloat16 and not getattr(ops, "has_bf16_gemm", False):
         return "bf16 needs the CPU kernels' bf16 GEMM (AVX512-BF16)"
+    if len({getattr(layer.self_attn, "window", None) for layer in layers} - {None}) > 1:
+        return "layers with different sliding windows run eagerly"
     for layer in layers:
         if layer.self_attn.q_norm is not None:
             return "per-head q/k norms (Qwen3) run eagerly"
+        reason = _moe_unsupported(layer, ops) if _routed(layer) else None
+        if reason is not None:
+            return reason
         steps = _step_weights(layer)
         if any(s is None or s.gemm != _GEMM[dtype] for s in steps.values()):
             name = "bf16" if dtype == torch.bfloat16 else "float32"
             return f"not every linear layer is a packed {name} weight (quantized, or a size " \
                    "the kernels do not pack)"
-        if dtype == torch.bfloat16 and not steps["gate_up"].applies_silu:
+        if dtype == torch.bfloat16 and "gate_up" in steps and not steps["gate_up"].applies_silu:
             return "gate/up takes no SiLU·mul in its epilogue (an MLP bias)"
     return None

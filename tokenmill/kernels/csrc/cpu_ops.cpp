@@ -21,6 +21,7 @@
 //   shm_allreduce.h    ShmAllReduce: the sum over one host's ranks through shared memory
 //   lora.h             LoRABank: adapters' LoRA deltas added to a step's rows, grouped by
 //                      adapter; silu_and_mul_interleaved (gate/up blocks as bf16 packs them)
+//   moe.h              MoEExperts: a mixture-of-experts layer's experts, grouped by expert
 //   decoder_step.h     DecoderStack: a model's decoder layers in one call (with the above,
 //                      under tensor parallelism, and LoRA rows)
 
@@ -35,6 +36,7 @@
 #include "kv_cache.h"
 #include "layer_ops.h"
 #include "lora.h"
+#include "moe.h"
 #include "paged_attention.h"
 #include "quant_ops.h"
 #include "quant_vnni.h"
@@ -98,5 +100,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   register_shm_allreduce(m);
   register_lora(m);
+  register_moe(m);
   register_decoder_step(m);
 }

@@ -9,8 +9,9 @@
 // Per layer, as LlamaDecoderLayer does it: RMSNorm (with the residual add from the second
 // layer on), the fused qkv projection, RoPE of the q and k heads in place, K/V stored at their
 // slots, paged attention (and the shared-prefix pass, merged in float32, when the step has
-// one), o_proj, RMSNorm with the residual, gate/up with SiLU·mul in its epilogue, down, every
-// linear packed for vdpbf16ps (bf16_gemm.h).
+// one; a sliding-window layer: its window's plan, without that pass), o_proj, RMSNorm with
+// the residual, gate/up with SiLU·mul in its epilogue, down, every linear packed for
+// vdpbf16ps (bf16_gemm.h).
 //
 // float32 (the dtype `auto` picks on a CPU without native bf16) computes what the float32 eager
 // path computes, rounding for rounding, which is what keeps it token-exact against
@@ -47,6 +48,10 @@
 // delta, then + residual (linear_f32_packed_add's order); bf16 gate/up as its plain product
 // over the interleaved weight, the delta, then SiLU·mul over the interleaved blocks. A step
 // without LoRA rows runs the code above unchanged.
+//
+// A mixture-of-experts layer (Mixtral) has a MoEExperts (moe.h) instead of gate/up and down:
+// its router and grouped experts give the MLP's output, which the next input norm (or the
+// caller's final norm) adds to the residual, as the eager layer's norm does (sum_norm).
 
 #pragma once
 
@@ -58,6 +63,7 @@
 #include "kv_cache.h"
 #include "layer_ops.h"
 #include "lora.h"
+#include "moe.h"
 #include "paged_attention.h"
 #include "shm_allreduce.h"
 
@@ -110,6 +116,9 @@ struct LayerWeights {
   at::Tensor qkv, o, gate_up, down;
   c10::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
   c10::optional<at::Tensor> qkv_dense, o_dense, gate_up_dense, down_dense;
+  // a mixture-of-experts layer's router and experts (moe.h), run instead of gate_up / down
+  std::shared_ptr<MoEExperts> moe;
+  int64_t window = 0;  // sliding-window attention over this many keys; 0: every key
 };
 
 // One linear of a layer as the loop multiplies it.
@@ -218,6 +227,12 @@ class DecoderStack {
            {&l.qkv_dense, &l.o_dense, &l.gate_up_dense, &l.down_dense})
         TORCH_CHECK(!d->has_value() || ((*d)->dim() == 2 && (*d)->scalar_type() == dtype_),
                     "DecoderStack: dense weights (out, in) in the compute dtype, or none");
+    int64_t window = 0;
+    for (const LayerWeights& l : layers_) {  // forward takes one windowed plan per step
+      TORCH_CHECK(l.window >= 0 && (l.window == 0 || window == 0 || l.window == window),
+                  "DecoderStack: one sliding window for every windowed layer");
+      if (l.window != 0) window = l.window;
+    }
   }
 
   // LoRA from now on: the adapters' bank (lora.h), whose step groups forward reads; null: none
@@ -231,7 +246,9 @@ class DecoderStack {
   // h: the embeddings (T, hidden) in the weights' dtype. cos/sin: float32 (T, head_dim / 2).
   // The caches: one per layer run. The attention arguments as paged_attention takes them for
   // the main pass; `shared`: empty, or the shared-prefix pass's (block tables, query starts,
-  // key start blocks, key limits, rows). num_layers: run the first that many layers (an early
+  // key start blocks, key limits, rows); `windowed`: empty (no windowed layer, or the
+  // window hides no key this step), or the windowed layers' (key start blocks, key lows),
+  // their plan taking no shared pass. num_layers: run the first that many layers (an early
   // exit, for layer-skip drafting). residual: a pipeline stage's input beside h (the previous
   // stage's output), or none. Returns (h, residual) after the last layer run, before the final
   // norm (h all-reduced, with an all-reduce).
@@ -241,7 +258,8 @@ class DecoderStack {
                                   const at::Tensor& slots, const at::Tensor& block_tables,
                                   const at::Tensor& query_start, const at::Tensor& key_start,
                                   const at::Tensor& key_limit, const at::Tensor& no_rows,
-                                  const std::vector<at::Tensor>& shared, int64_t num_layers,
+                                  const std::vector<at::Tensor>& shared,
+                                  const std::vector<at::Tensor>& windowed, int64_t num_layers,
                                   const c10::optional<at::Tensor>& residual) const {
     TORCH_CHECK(num_layers >= 1 && num_layers <= static_cast<int64_t>(layers_.size()),
                 "DecoderStack: 1 to ", layers_.size(), " layers, not ", num_layers);
@@ -249,6 +267,7 @@ class DecoderStack {
     TORCH_CHECK(k_caches.size() == count && v_caches.size() == count,
                 "DecoderStack: one K and one V cache per layer run");
     TORCH_CHECK(shared.empty() || shared.size() == 5, "DecoderStack: shared pass arguments");
+    TORCH_CHECK(windowed.empty() || windowed.size() == 2, "DecoderStack: windowed plan");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == dtype_,
                 "DecoderStack: hidden states (T, hidden) in the weights' dtype");
     TORCH_CHECK(!residual || (residual->sizes() == h.sizes() &&
@@ -256,7 +275,7 @@ class DecoderStack {
                 "DecoderStack: a residual like h");
     const at::Tensor res = residual ? *residual : at::Tensor();
     const Step step{cos, sin, k_caches, v_caches, slots, block_tables, query_start,
-                    key_start, key_limit, no_rows, shared};
+                    key_start, key_limit, no_rows, shared, windowed};
 #ifdef TOKENMILL_HAS_F32_GEMM
     if (dtype_ == at::kFloat) return run<F32Step>(std::move(h), res, step, count);
 #endif
@@ -271,7 +290,7 @@ class DecoderStack {
     const at::Tensor &cos, &sin;
     const std::vector<at::Tensor>&k_caches, &v_caches;
     const at::Tensor &slots, &block_tables, &query_start, &key_start, &key_limit, &no_rows;
-    const std::vector<at::Tensor>& shared;
+    const std::vector<at::Tensor>&shared, &windowed;
   };
 
   // The layer loop, as LlamaDecoderLayer runs it. Each layer's down projection is joined to
@@ -291,15 +310,18 @@ class DecoderStack {
     }
     for (size_t i = 0; i < count; ++i) {
       const LayerWeights& l = layers_[i];
-      if (i > 0) h = join<K>(act, down_of(layers_[i - 1]), n, residual, l.input_norm, i - 1,
-                             kLoRADown);
+      if (i > 0) h = layers_[i - 1].moe ? K::sum_norm(act, residual, l.input_norm, eps_)
+                                        : join<K>(act, down_of(layers_[i - 1]), n, residual,
+                                                  l.input_norm, i - 1, kLoRADown);
       const Proj qkv{l.qkv, l.qkv_bias, l.qkv_dense}, o{l.o, l.o_bias, l.o_dense};
       const at::Tensor attended = attention(i, lora_project<K>(h, qkv, n, i, kLoRAQkv), a);
       h = join<K>(attended, o, n, residual, l.post_norm, i, kLoRAO);
-      act = gate_up<K>(h, l, n, i);
+      act = l.moe ? l.moe->mlp(h) : gate_up<K>(h, l, n, i);  // MoE: the MLP's output
     }
-    at::Tensor out = lora_project<K>(act, down_of(layers_[count - 1]), n, count - 1,
-                                     kLoRADown);
+    at::Tensor out = layers_[count - 1].moe
+                         ? act
+                         : lora_project<K>(act, down_of(layers_[count - 1]), n, count - 1,
+                                           kLoRADown);
     if (all_reduce_ != nullptr) all_reduce_->all_reduce_(out);
     return {out, residual};
   }
@@ -372,14 +394,20 @@ class DecoderStack {
     store_kv(qk_heads.narrow(1, heads_, kv_heads_),
              qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}),
              a.k_caches[i], a.v_caches[i], a.slots);
+    // a windowed layer whose window hides keys this step: its own plan, no shared pass
+    const bool windowed = layers_[i].window != 0 && !a.windowed.empty();
+    const bool shared = !windowed && !a.shared.empty();
     at::Tensor out = at::empty({n, heads_, head_dim_},
-                               qkv.options().dtype(a.shared.empty() ? dtype_ : at::kFloat));
+                               qkv.options().dtype(shared ? at::kFloat : dtype_));
     const at::Tensor lse = at::empty({n, heads_}, qkv.options().dtype(at::kFloat));
     paged_attention(q, a.k_caches[i], a.v_caches[i], a.block_tables, a.query_start,
-                    a.key_start, a.key_limit, a.no_rows, out, lse, scale_, false, tile_);
-    if (!a.shared.empty())
+                    windowed ? a.windowed[0] : a.key_start, a.key_limit,
+                    windowed ? a.windowed[1] : a.no_rows, a.no_rows, a.no_rows, out, lse, scale_,
+                    false, tile_);
+    if (shared)
       paged_attention(q, a.k_caches[i], a.v_caches[i], a.shared[0], a.shared[1], a.shared[2],
-                      a.shared[3], a.shared[4], out, lse, scale_, true, cascade_tile_);
+                      a.shared[3], a.no_rows, a.shared[4], a.no_rows, out, lse, scale_, true,
+                      cascade_tile_);
     return out.to(dtype_).view({n, heads_ * head_dim_});
   }
 
@@ -411,7 +439,9 @@ inline void register_decoder_step(pybind11::module_& m) {
       .def_readwrite("qkv_dense", &LayerWeights::qkv_dense)
       .def_readwrite("o_dense", &LayerWeights::o_dense)
       .def_readwrite("gate_up_dense", &LayerWeights::gate_up_dense)
-      .def_readwrite("down_dense", &LayerWeights::down_dense);
+      .def_readwrite("down_dense", &LayerWeights::down_dense)
+      .def_readwrite("moe", &LayerWeights::moe)
+      .def_readwrite("window", &LayerWeights::window);
   pybind11::class_<DecoderStack>(m, "DecoderStack",
                                  "the decoder layers of a bf16 or float32 model, run in one call")
       .def(pybind11::init<const std::vector<LayerWeights>&, int64_t, int64_t, int64_t, double,

@@ -11,6 +11,13 @@
 // step (max, exp, rescale) together. bf16 queries with a bf16 cache on AVX512-BF16 multiply on
 // vdpbf16ps (see kBf16Dot). K/V rows are read in their own dtype and widened to float32 in
 // registers (attention_tiles.h).
+//
+// Sliding windows: a query token may also have a lower key bound (key_low, its position -
+// window + 1): a work item's block loop starts at the first block any of its tokens sees, and
+// each row's scores below its bound are masked, so blocks wholly behind the window are never
+// read (the scheduler may have freed them: their table entries then hold the padding block 0).
+// Attention sinks (gpt-oss): a per-head logit that joins every softmax's denominator and
+// adds no value; the online softmax starts from it (m = sink, l = 1) instead of (-inf, 0).
 #pragma once
 
 #include "attention_tiles.h"
@@ -41,8 +48,8 @@ template <typename T, typename C, typename O, int64_t N>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& query_start,
                     const at::Tensor& key_start_block, const at::Tensor& key_limit,
-                    const at::Tensor& rows, at::Tensor& out, at::Tensor& lse, double scale,
-                    bool merge, int64_t tile) {
+                    const at::Tensor& key_low, const at::Tensor& rows, const at::Tensor& sinks,
+                    at::Tensor& out, at::Tensor& lse, double scale, bool merge, int64_t tile) {
   constexpr int64_t head_dim = N * Vec::W;
   const int64_t num_heads = q.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -60,6 +67,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t* kstart = key_start_block.data_ptr<int64_t>();
   const int64_t* klimit = key_limit.data_ptr<int64_t>();
   const int64_t* row_of = rows.numel() ? rows.data_ptr<int64_t>() : nullptr;
+  const int64_t* klow = key_low.numel() ? key_low.data_ptr<int64_t>() : nullptr;
+  const float* sink = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
   O* op = out.data_ptr<O>();
   float* lp = lse.data_ptr<float>();
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
@@ -87,15 +96,21 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       acc.assign(nrows * head_dim, 0.0f);
       m.assign(nrows, kNegInf);
       l.assign(nrows, 0.0f);
+      if (sink != nullptr)  // the sink as a key already seen: its exp is l's first term
+        for (int64_t row = 0; row < nrows; ++row) {
+          m[row] = sink[w.kv_head * group + row % group];
+          l[row] = 1.0f;
+        }
       sc.assign(nrows * span, 0.0f);
       if constexpr (kDot) {
         qb.resize(nrows * head_dim);
         pb.resize(nrows * span);
       }
-      int64_t kmax = 0;
+      int64_t kmax = 0, kmin = klow ? klow[w.t0] : 0;
       for (int64_t t = w.t0; t < w.t1; ++t) {
         const int64_t src = row_of ? row_of[t] : t;
         kmax = std::max(kmax, klimit[t]);
+        if (klow) kmin = std::min(kmin, klow[t]);
         if constexpr (kDot) {  // as they are (the scale multiplies the scores)
           std::memcpy(&qb[(t - w.t0) * group * head_dim],
                       qp + src * q_stride + w.kv_head * group * head_dim,
@@ -111,7 +126,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       const int64_t* table = tables + w.req * table_width;
       // kChunk blocks at a time: their scores side by side in sc, one softmax step over all
       const int64_t kend = std::min(table_width, (kmax + block_size - 1) / block_size);
-      for (int64_t b0 = kstart[w.req]; b0 < kend; b0 += kChunk) {
+      const int64_t kfirst = std::max(kstart[w.req], kmin / block_size);
+      for (int64_t b0 = kfirst; b0 < kend; b0 += kChunk) {
         const int64_t nb = std::min(kChunk, kend - b0);
         const int64_t base = b0 * block_size;
         const int64_t nkeys = std::min(nb * block_size, kmax - base);
@@ -147,12 +163,18 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         }
         // online softmax, row by row
         for (int64_t row = 0; row < nrows; ++row) {
-          const int64_t vis = std::min(nkeys, klimit[w.t0 + row / group] - base);
+          const int64_t t = w.t0 + row / group;
+          const int64_t vis = std::min(nkeys, klimit[t] - base);
+          const int64_t low = klow ? klow[t] - base : 0;  // keys before it lie behind the window
           float* srow = &sc[row * span];
-          if (vis <= 0) {
+          if (vis <= low) {  // no key of these blocks is this row's
             for (int64_t s = 0; s < span; ++s) srow[s] = 0.0f;
+#if defined(__AVX512BF16__)
+            if constexpr (kDot) std::fill_n(&pb[row * span], span, uint16_t{0});
+#endif
             continue;
           }
+          for (int64_t s = 0; s < low; ++s) srow[s] = kNegInf;
           const float m_new = std::max(m[row], block_max(srow, vis));
           const float alpha = exp_clamped(m[row] - m_new);
           const float psum = block_exp(srow, vis, nb * block_size, m_new);
@@ -231,14 +253,15 @@ template <typename T, typename C, typename O>
 void attention_dispatch(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables,
                         const at::Tensor& query_start, const at::Tensor& key_start_block,
-                        const at::Tensor& key_limit, const at::Tensor& rows, at::Tensor& out,
+                            const at::Tensor& key_limit, const at::Tensor& key_low,
+                        const at::Tensor& rows, const at::Tensor& sinks, at::Tensor& out,
                         at::Tensor& lse, double scale, bool merge, int64_t tile) {
   switch (q.size(2) / Vec::W) {
 #define TOKENMILL_CASE(n)                                                                     \
     case n:                                                                                   \
       return attention_impl<T, C, O, n>(q, k_cache, v_cache, block_tables, query_start,      \
-                                        key_start_block, key_limit, rows, out, lse, scale,    \
-                                        merge, tile);
+                                        key_start_block, key_limit, key_low, rows, sinks,     \
+                                        out, lse, scale, merge, tile);
     TOKENMILL_HEAD_VECS(TOKENMILL_CASE)
 #undef TOKENMILL_CASE
     default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", q.size(2));
@@ -254,16 +277,20 @@ void attention_dispatch(const at::Tensor& q, const at::Tensor& k_cache,
 //   query_start     (R + 1) int64: request r owns query tokens query_start[r] .. [r + 1] - 1
 //   key_limit       (T') int64: query token t sees keys [key_start_block[r] * block_size,
 //                   key_limit[t]) of its request (positions; causal: its own position + 1)
+//   key_low         (T') int64 or empty: token t sees no key before key_low[t] either (its
+//                   sliding window's first position); empty: no lower bound
 //   rows            (T') int64 or empty: query token t is row rows[t] of q / out / lse
 //                   (empty: row t), so a call may cover any subset of a batch's tokens
+//   sinks           (H) float32 or empty: per-head logits joining every softmax's denominator
+//                   (give them to one pass only when passes are merged)
 //   out, lse        (T, H, D) q's dtype or float32, and (T, H) float32: written, or with
 //                   ``merge`` combined with the partial results they hold (lse -inf: none)
 //   tile            query tokens of one request computed together (sharing each K/V load)
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start,
                      const at::Tensor& key_start_block, const at::Tensor& key_limit,
-                     const at::Tensor& rows, at::Tensor out, at::Tensor lse, double scale,
-                     bool merge, int64_t tile) {
+                     const at::Tensor& key_low, const at::Tensor& rows, const at::Tensor& sinks,
+                     at::Tensor out, at::Tensor lse, double scale, bool merge, int64_t tile) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q (T, H, D) and caches (blocks, block_size, KVH, D) expected");
   const CacheKind kind = cache_kind(k_cache, q.scalar_type(), "paged_attention");
@@ -282,13 +309,19 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == q.size(2) &&
                   lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
                   lse.scalar_type() == at::kFloat, "paged_attention: out/lse shapes");
-  for (const at::Tensor* t : {&block_tables, &query_start, &key_start_block, &key_limit, &rows})
+  for (const at::Tensor* t :
+       {&block_tables, &query_start, &key_start_block, &key_limit, &key_low, &rows})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
                 "paged_attention: index tensors must be contiguous int64");
   TORCH_CHECK(key_start_block.size(0) == query_start.size(0) - 1 &&
                   block_tables.size(0) == key_start_block.size(0), "paged_attention: one "
               "block table row and key start per request");
   TORCH_CHECK(rows.numel() == 0 || rows.numel() == key_limit.numel(), "paged_attention: rows");
+  TORCH_CHECK(key_low.numel() == 0 || key_low.numel() == key_limit.numel(),
+              "paged_attention: key_low");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                                     sinks.numel() == q.size(1)),
+              "paged_attention: sinks (H) float32");
   TORCH_CHECK(tile >= 1, "paged_attention: tile >= 1");
   const bool same = out.scalar_type() == q.scalar_type();
   TORCH_CHECK(same || out.scalar_type() == at::kFloat, "paged_attention: out is q's dtype or "
@@ -299,12 +332,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       using C = typename decltype(cache_type)::type;
       if (same) {
         attention_dispatch<scalar_t, C, scalar_t>(q, k_cache, v_cache, block_tables,
-                                                  query_start, key_start_block, key_limit, rows,
-                                                  out, lse, scale, merge, tile);
+                                                  query_start, key_start_block, key_limit,
+                                                  key_low, rows, sinks, out, lse, scale, merge,
+                                                  tile);
       } else {
         attention_dispatch<scalar_t, C, float>(q, k_cache, v_cache, block_tables, query_start,
-                                               key_start_block, key_limit, rows, out, lse,
-                                               scale, merge, tile);
+                                               key_start_block, key_limit, key_low, rows, sinks,
+                                               out, lse, scale, merge, tile);
       }
     });
   });
