@@ -78,6 +78,8 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
              "that --dtype auto chose on a CPU); bfloat16 (half a float32 cache's bytes, for "
              "a float32 model); int8 or fp8 (e4m3, GPUs), with a scale per token and head: "
              "about twice the tokens of bf16")),
+    ("--task", "task", dict(choices=["generate", "embed", "score", "rerank"], help="what the "
+                            "model serves (unset: its files say; rerank is score)")),
     ("--enforce-eager", "enforce_eager", dict(
         action="store_const", const=True,
         help="run every step layer by layer from Python: no CUDA graphs of the decode step "

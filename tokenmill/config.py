@@ -33,6 +33,7 @@ class RopeScaling:
     # yarn (gpt-oss): the ramp between interpolated and extrapolated frequencies
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    truncate: bool = True  # yarn: round the ramp's bounds to whole dims (gpt-oss: False)
 
 
 @dataclass(frozen=True)
@@ -381,6 +382,11 @@ class EngineConfig:
     # Structured output: offer the text a grammar forces next as drafts, verified in the same
     # forward (jump-forward); off, every token costs a step.
     jump_forward: bool = True
+    # What the model serves: "generate", "embed" (embeddings; rerank and score by their
+    # cosine), "score" (a cross-encoder's pair scores; "rerank" says the same); None: what its
+    # files say (a sentence-transformers directory or a BERT: embed; a sequence classifier:
+    # score; other decoders: generate)
+    task: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -404,6 +410,9 @@ class EngineConfig:
             raise ValueError(f"quantization {self.quantization!r} (--quantization) runs on CPUs "
                              f"only for now; on {self.device} use none or fp8")
         _check_lora_parallel(self.lora, self.parallel)
+        if self.task not in (None, "generate", "embed", "score", "rerank"):
+            raise ValueError(f"unknown task {self.task!r}; use generate, embed or score "
+                             "(rerank: score)")
 
     @classmethod
     def from_options(cls, model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:

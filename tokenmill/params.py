@@ -130,6 +130,50 @@ class SamplingParams:
             _require(_is_int(t) and t >= 0, "stop_token_ids", "must hold token ids >= 0", t)
 
 
+POOLING_TASKS = ("embed", "score")
+POOLING_KINDS = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """What a pooling request (an embedding, or a cross-encoder's score) wants of its prompt's
+    hidden states. ``None`` fields take the model's defaults (``LLMEngine.pooling_defaults``:
+    a sentence-transformers directory's, else last-token and normalised for a decoder, CLS
+    for an encoder). ``task="score"`` returns a cross-encoder's logits as they are (the
+    sigmoid is the caller's choice), so ``pooling``, ``normalize`` and ``dimensions`` must be
+    left unset there."""
+
+    task: str = "embed"  # "embed" | "score" (a cross-encoder's relevance logit)
+    pooling: str | None = None  # "last" | "mean" | "cls"; None: the model's default
+    normalize: bool | None = None  # L2-normalise (after any truncation); None: the model's
+    dimensions: int | None = None  # keep the first n (Matryoshka); None: all
+
+    def __post_init__(self) -> None:
+        _require(self.task in POOLING_TASKS, "task", f"must be one of {POOLING_TASKS}",
+                 self.task)
+        _require(self.pooling is None or self.pooling in POOLING_KINDS, "pooling",
+                 f"must be None or one of {POOLING_KINDS}", self.pooling)
+        _require(self.normalize is None or isinstance(self.normalize, bool), "normalize",
+                 "must be None or a bool", self.normalize)
+        if self.dimensions is not None:
+            _require(_is_int(self.dimensions) and self.dimensions >= 1, "dimensions",
+                     "must be None or an integer >= 1", self.dimensions)
+        if self.task == "score":
+            for name in ("pooling", "normalize", "dimensions"):
+                _require(getattr(self, name) is None, name,
+                         "does not apply to task 'score' (a cross-encoder's logits)",
+                         getattr(self, name))
+
+    def resolved(self, defaults: PoolingParams) -> PoolingParams:
+        """These params with every unset field taken from ``defaults`` (the model's)."""
+        if self.task == "score":
+            return self
+        return PoolingParams(
+            self.task, self.pooling or defaults.pooling,
+            defaults.normalize if self.normalize is None else self.normalize,
+            self.dimensions if self.dimensions is not None else defaults.dimensions)
+
+
 # ----- output constraints ----------------------------------------------------------------------
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")

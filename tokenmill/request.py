@@ -13,8 +13,9 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any
 
-from tokenmill.params import SamplingParams
+from tokenmill.params import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +81,17 @@ def check_prompt(token_ids: Sequence[int], max_model_len: int, vocab_size: int |
                           code="context_length_exceeded", param=param)
 
 
+def check_whole_prompt(token_ids: Sequence[int], max_num_batched_tokens: int,
+                       param: str = "prompt") -> None:
+    """A bidirectional encoder's prompt runs whole in one step (never chunked): it must fit the
+    step's token budget."""
+    if len(token_ids) > max_num_batched_tokens:
+        raise PromptError(f"this encoder reads a prompt whole in one step of at most "
+                          f"{max_num_batched_tokens} tokens (--max-num-batched-tokens); your "
+                          f"prompt has {len(token_ids)} tokens",
+                          code="context_length_exceeded", param=param)
+
+
 def check_vocabulary(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
     """Every id names a token: raise ``PromptError`` on the first that does not."""
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
@@ -141,6 +153,12 @@ class Request:
     kv_transfer_params: dict | None = None
     kv_transfer_out: dict | None = None
     lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    # A pooling request (an embedding, a cross-encoder's score): its output is one vector from
+    # its prompt's hidden states, no token; ``sampling_params`` only bound its length.
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None  # BERT's segment of each prompt token (a pair)
+    # An encoder's prompt (bidirectional attention): computed whole in one step, no KV kept
+    bidirectional: bool = False
     # Owned by the scheduler from here on.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (or written this step)
@@ -169,6 +187,13 @@ class Request:
         if self.lora is None:
             return self.cache_salt
         return f"{self.cache_salt or ''}\x1f{self.lora.cache_key}"
+
+    @property
+    def reuses_cached_prefix(self) -> bool:
+        """Whether a cached prefix may stand in for computing its first tokens: not for an
+        encoder, nor for a pooling request that reads more than its last row."""
+        params = self.pooling_params
+        return not self.bidirectional and (params is None or params.pooling == "last")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -239,6 +264,26 @@ class CompletionOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """A pooling request's result: ``data`` is a 1-D float32 ``torch.Tensor`` on the CPU (an
+    embedding, or a cross-encoder's logits); typed loosely because this module stays
+    torch-free."""
+
+    request_id: str
+    data: Any
+    num_prompt_tokens: int
+
+
+@dataclass
+class EmbeddingOutput:
+    """What ``LLM.embed`` returns per prompt."""
+
+    request_id: str
+    embedding: list[float]
+    prompt_token_ids: list[int]
+
+
+@dataclass
 class RequestOutput:
     """What a caller receives for its request (one per step while streaming)."""
 
@@ -249,6 +294,7 @@ class RequestOutput:
     prompt: str | None = None  # the prompt text, when the caller gave text
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     kv_transfer_params: dict | None = None  # the KV connector's answer (its leader's), when done
+    pooled: PoolingOutput | None = None  # a pooling request's vector, once finished (no tokens)
 
     @classmethod
     def from_sequences(cls, sequences: list[Request]) -> RequestOutput:

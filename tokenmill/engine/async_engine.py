@@ -31,8 +31,8 @@ from tokenmill.engine.async_types import (EngineOverloadedError, EngineSnapshot,
                                           EngineUnavailableError, RequestFailedError,
                                           RequestTimings, StatsListener)
 from tokenmill.engine.llm_engine import EngineInfo, LLMEngine
-from tokenmill.params import SamplingParams
-from tokenmill.request import LoRARequest, RequestOutput
+from tokenmill.params import PoolingParams, SamplingParams
+from tokenmill.request import LoRARequest, PoolingOutput, RequestOutput
 from tokenmill.structured.spec import StructuredOutputs
 from tokenmill.tokenizer import Tokenizer
 
@@ -45,8 +45,8 @@ logger = logging.getLogger("tokenmill.engine")
 @dataclass(frozen=True)
 class _Add:
     request_id: str
-    prompt: str | Sequence[int]
-    params: SamplingParams
+    prompt: str | Sequence[int] | tuple[str, str]
+    params: SamplingParams | PoolingParams
     priority: int
     cache_salt: str | None
     stream: RequestStream
@@ -220,8 +220,8 @@ class AsyncEngine:
 
     # ----- the caller's side (event loop) ---------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: str | Sequence[int],
-                          params: SamplingParams, priority: int = 0,
+    async def add_request(self, request_id: str, prompt: str | Sequence[int] | tuple[str, str],
+                          params: SamplingParams | PoolingParams, priority: int = 0,
                           cache_salt: str | None = None,
                           grammar: CompiledGrammar | None = None,
                           kv_transfer_params: dict | None = None,
@@ -261,6 +261,20 @@ class AsyncEngine:
                 yield output
         finally:
             stream.abort()
+
+    async def encode(self, request_id: str, prompt: str | Sequence[int] | tuple[str, str],
+                     params: PoolingParams) -> PoolingOutput:
+        """The embedding of ``prompt`` (or a cross-encoder's logits for a (text, text) pair),
+        batched with every other request. Raises as ``add_request``, and
+        ``RequestFailedError``; cancelling aborts it."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for output in stream:
+                if output.finished and output.pooled is not None:
+                    return output.pooled
+        finally:
+            stream.abort()
+        raise RequestFailedError(f"request {request_id} ended without its pooled vector")
 
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))

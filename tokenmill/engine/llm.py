@@ -1,6 +1,6 @@
 """The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM(model).chat(messages)``;
 LoRA adapters with ``LLM(model, enable_lora=True)``, ``add_lora`` and ``generate(...,
-lora_request=)``."""
+lora_request=)``; embeddings and scores with ``embed``, ``score`` and ``encode``."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenmill.config import DEFAULT_MODEL, EngineConfig
-from tokenmill.params import SamplingParams
-from tokenmill.request import LoRARequest, RequestOutput
+from tokenmill.params import PoolingParams, SamplingParams
+from tokenmill.request import EmbeddingOutput, LoRARequest, PoolingOutput, RequestOutput
 
 Prompt = str | Sequence[int]
+PoolingPrompt = str | Sequence[int] | tuple[str, str]  # a (text, text) pair: a cross-encoder's
 Message = Mapping[str, Any]
 # the adapter of every prompt, or one per prompt: a LoRARequest or a registered name; None: the
 # base model
@@ -88,6 +89,68 @@ class LLM:
     def chat_prompt_ids(self, conversation: Sequence[Message], add_generation_prompt: bool = True,
                         **kwargs: Any) -> list[int]:
         return self.tokenizer.encode_chat(conversation, add_generation_prompt, **kwargs)
+
+    def encode(self, prompts: PoolingPrompt | Sequence[PoolingPrompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True) -> list[PoolingOutput]:
+        """The pooled vector of every prompt, in order: an embedding, or for a (text, text)
+        pair a cross-encoder's logits. A single pair is one prompt; give a list for several.
+        ``pooling_params`` None: the model's task with its defaults."""
+        return [out.pooled for out in self._pool(prompts, pooling_params, use_tqdm)]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingOutput]:
+        """The embedding of every prompt (text or token ids), in order; unset fields of
+        ``pooling_params`` take the model's pooling and normalisation."""
+        outs = self._pool(prompts, pooling_params or PoolingParams(task="embed"), use_tqdm)
+        return [EmbeddingOutput(o.request_id, o.pooled.data.tolist(), o.prompt_token_ids)
+                for o in outs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[float]:
+        """A relevance score per pair: one ``text_1`` against each ``text_2``, or two lists of
+        one length pairwise. A cross-encoder's is the sigmoid of its logit; an embedding
+        model's the cosine of the two texts' embeddings."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise ValueError(f"score takes one text_1 or as many as text_2 ({len(seconds)}), "
+                             f"got {len(firsts)}")
+        if self.engine.task == "score":
+            logits = self.encode(list(zip(firsts, seconds)), use_tqdm=use_tqdm)
+            return [float(o.data[0].sigmoid()) for o in logits]
+        vectors = [o.data for o in self.encode(
+            [*firsts, *seconds], PoolingParams(task="embed", normalize=True), use_tqdm)]
+        pairs = zip(vectors[:len(firsts)], vectors[len(firsts):])
+        return [float((a * b).sum()) for a, b in pairs]
+
+    def _pool(self, prompts: PoolingPrompt | Sequence[PoolingPrompt],
+              params: PoolingParams | Sequence[PoolingParams] | None,
+              use_tqdm: bool) -> list[RequestOutput]:
+        if isinstance(prompts, tuple) and len(prompts) == 2 and \
+                all(isinstance(p, str) for p in prompts):
+            prompts = [prompts]
+        prompts = _as_prompt_list(prompts)
+        per = [params] * len(prompts) if not isinstance(params, Sequence) else list(params)
+        if len(per) != len(prompts):
+            raise ValueError(f"got {len(per)} pooling params for {len(prompts)} prompts")
+        ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, per):
+                self.engine.add_request(rid, prompt, p or PoolingParams(task=self._pool_task))
+            finished = self._run(len(prompts), use_tqdm)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [finished[rid] for rid in ids]
+
+    @property
+    def _pool_task(self) -> str:
+        return "score" if self.engine.task == "score" else "embed"
 
     def _loras(self, lora_request: LoRAArg, lora: LoRAArg,
                n: int) -> list[LoRARequest | str | None]:

@@ -18,23 +18,19 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.info import EngineInfo, EngineStats, StepInfo
 from tokenmill.engine.loras import LoRALike, LoRARegistry
 from tokenmill.engine.output_state import RequestState
+from tokenmill.engine.pooling_requests import PoolingPrompt, PoolingSetup, attach_pooled
+from tokenmill.engine.proposer import DraftProposer
 from tokenmill.engine.step_state import StepState, undelivered_kv
 from tokenmill.errors import LoRALoadError
 from tokenmill.executor.base import ExecutorError
-from tokenmill.params import SamplingParams
-from tokenmill.request import (
-    FinishReason,
-    LoRARequest,
-    Request,
-    RequestOutput,
-    RequestStatus,
-    check_prompt,
-)
+from tokenmill.params import PoolingParams, SamplingParams
+from tokenmill.request import (FinishReason, LoRARequest, Request, RequestOutput, RequestStatus,
+                               check_prompt)
 from tokenmill.sched.output import ModelOutput, ScheduledChunk, SchedulerOutput, SeqUpdate
 from tokenmill.sched.scheduler import Scheduler
 
@@ -62,23 +58,6 @@ FaultHook = Callable[[str, Collection[str]], None]
 
 class EngineDeadError(RuntimeError):
     """Steps kept failing with no request to blame: the engine cannot go on."""
-
-
-class DraftProposer(Protocol):
-    """Proposes continuations to verify (speculative decoding, ``speculative/``).
-
-    Optional, used where present (``speculative.SpeculativeDecoder`` has them): ``draft_probs``
-    (per sequence, the distributions of the latest drafts), ``observe(chunks, accepted tokens,
-    num_batched_tokens, seconds)`` after every step (a drafting model gives back there the
-    lookahead blocks the step did not use), ``forget(seq_ids)`` for ended sequences,
-    ``stats()`` (``speculative.SpecStats``).
-    """
-
-    def propose(self, requests: Sequence[Request],
-                waiting_tokens: int) -> Mapping[str, Sequence[int]]:
-        """Draft tokens per sequence id for the running sequences; omitted ids get none.
-        ``waiting_tokens``: prompt tokens the step would admit from the waiting queue after
-        them (``Scheduler.waiting_prompt_tokens``), which drafts scheduled first push out."""
 
 
 class LLMEngine:
@@ -117,14 +96,25 @@ class LLMEngine:
         self.lora_config = lora
         self.loras = LoRARegistry(lora is not None, unload=executor.remove_lora)
         self.served_model_name = served_model_name or info.model
+        self.serve(PoolingSetup())
+
+    def serve(self, pooling: PoolingSetup) -> None:
+        """The model's ``task``, pooling defaults and ``ModelConfig`` (pooling_requests.py)."""
+        self.pooling, self.task = pooling, pooling.task
+        self.pooling_defaults, self.model_config = pooling.defaults, pooling.config
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Plan for this machine, then load the model and tokenizer, size the KV cache and
         build executor and scheduler as the plan says (``engine/build.py``)."""
         from tokenmill.engine.build import build_engine_parts
+        from tokenmill.engine.plan import make_plan
 
-        return cls(**vars(build_engine_parts(config)))
+        plan = make_plan(config)
+        pooling = PoolingSetup.for_plan(plan, config.task)  # refuses a task before the load
+        engine = cls(**vars(build_engine_parts(config, plan)))
+        engine.serve(pooling)
+        return engine
 
     # ----- requests ---------------------------------------------------------------------------
 
@@ -133,8 +123,8 @@ class LLMEngine:
         Reads only fixed facts, so any thread may call it."""
         check_prompt(token_ids, self.info.max_model_len, self.info.vocab_size, param)
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None, priority: int = 0,
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | tuple[str, str],
+                    params: SamplingParams | PoolingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     grammar: CompiledGrammar | None = None,
                     kv_transfer_params: Mapping[str, Any] | None = None,
@@ -146,9 +136,15 @@ class LLMEngine:
         ``kv_transfer_params``: vLLM's prefill/decode hand-over (``kv_transfer/pd.py``); a
         ValueError starting "kv_transfer_params: " when this engine cannot honour them.
         ``lora_request``: the adapter it runs under (its ``LoRARequest`` or name; None: the base
-        model); ``LoRAError`` (a ValueError) for one not loaded."""
+        model); ``LoRAError`` (a ValueError) for one not loaded. ``PoolingParams`` (or a (text,
+        text) pair) ask for an embedding or a cross-encoder's score: ``pooling_requests.py``."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams) or isinstance(prompt, tuple):
+            return self._add_pooling(request_id, prompt, params, priority=priority,
+                                     arrival_time=arrival_time, cache_salt=cache_salt,
+                                     lora_request=lora_request)
+        self.pooling.check_generate()
         lora = self.loras.resolve(lora_request)
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) \
             else (None, [int(t) for t in prompt])
@@ -168,6 +164,14 @@ class LLMEngine:
         self._requests[request_id] = RequestState(request_id, text, ids, params, sequences,
                                                   self.tokenizer)
         self.loras.acquire(lora)
+
+    def _add_pooling(self, request_id: str, prompt: PoolingPrompt, params: PoolingParams | None,
+                     **fields: Any) -> None:
+        request, text = self.pooling.request(request_id, prompt, params, self.tokenizer,
+                                             self.check_prompt, **fields)
+        self._requests[request_id] = RequestState(
+            request_id, text, request.prompt_token_ids, request.sampling_params,
+            self.scheduler.add_request(request), self.tokenizer)
 
     # ----- LoRA adapters (engine/loras.py) ----------------------------------------------------
 
@@ -413,6 +417,7 @@ class LLMEngine:
                                                     result.kv_connector_output)
         self._inject("update", s)
         outputs = self._process(updates, result.logprobs)
+        attach_pooled(outputs, getattr(result, "pooled", None))
         self._inject("process", s)
         self._forget(self.scheduler.take_finished_ids())  # now, not at the next step
         self._inject("finish", s)
@@ -488,7 +493,8 @@ class LLMEngine:
         if not self.scheduler.num_running:
             return
         # sequences waiting for their KV (a connector's load) draft nothing until it is in
-        running = [r for r in self.scheduler.running if r.status is RequestStatus.RUNNING]
+        running = [r for r in self.scheduler.running
+                   if r.status is RequestStatus.RUNNING and r.pooling_params is None]
         constrained = self.structured is not None and any(r.grammar is not None for r in running)
         if self.proposer is None and not constrained:  # an unconstrained batch: nothing to do
             return

@@ -11,12 +11,17 @@ is unchanged and sampled output keeps the model's distribution. A draft drawn fr
 distribution q of its own (a draft model's, ``spec/``) brings q to its row, and the sampler
 applies the general rule there (keep it with min(1, p/q), else draw from max(p - q, 0)); the
 row's token then equals the draft exactly when it was kept, so acceptance below is the same.
+
+A step with pooling chunks (embeddings, scores) also returns their vectors (``pooling.py``);
+a step without any runs exactly as before. An encoder (``config.causal`` False) keeps no KV
+cache: it reads each prompt whole in one step, so none is allocated (the scheduler is told of
+the minimum, two blocks, and gives its requests none).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +30,7 @@ from tokenmill.runner.batch import Chunk, SeqChunk, build_flat_batch, query_star
 from tokenmill.runner.cpu_step import CpuStep, unsupported
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.kv_cache import allocate_kv_cache
+from tokenmill.runner.pooling import Pooler
 from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sched.output import ModelOutput, ScheduledChunk, num_matching_drafts
@@ -43,10 +49,11 @@ class ModelRunner:
         self.config = loaded.config
         self.device = torch.device(device)
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks if self.config.causal else 2
         dtype = getattr(torch, self.config.dtype)
-        self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, self.device, dtype,
-                                           kv_cache_dtype)
+        self.kv_caches = [] if not self.config.causal else allocate_kv_cache(
+            self.config, num_blocks, block_size, self.device, dtype, kv_cache_dtype)
+        self.pooler = Pooler(self.model, self.device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
         # CPU: fewer forward threads while other processes take the cores (threads.py)
@@ -57,6 +64,8 @@ class ModelRunner:
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Replay plain decode steps of up to ``max_num_seqs`` sequences from CUDA graphs (the
         model's attention backend must be graph-safe: ``triton``)."""
+        if not self.config.causal:  # an encoder has no decode steps
+            return
         graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs,
                               max_model_len, self.device)
         graphs.capture()
@@ -115,9 +124,37 @@ class ModelRunner:
         Grammar ``masks``, filled by another thread while the forward runs, are applied to
         their rows before sampling. ``draft_probs``: per sequence, the distribution each draft
         was drawn from (a draft model's), for the rejection rule."""
-        logits = self.governor.run(lambda: self.forward(chunks)) if self.governor \
-            else self.forward(chunks)
+        if any(c.request.pooling_params is not None for c in chunks):
+            return self._execute_pooling(chunks, masks, draft_probs)
+        logits = self._governed(lambda: self.forward(chunks))
         return sample_step(self.sampler, chunks, logits, masks, draft_probs)
+
+    def _governed(self, run: Callable[[], Any]) -> Any:
+        """``run`` under the thread governor, where there is one."""
+        return self.governor.run(run) if self.governor else run()
+
+    def _execute_pooling(self, chunks: Sequence[ScheduledChunk], masks: RowMasks | None,
+                         draft_probs: Mapping[str, Sequence[torch.Tensor | None]] | None
+                         ) -> ModelOutput:
+        """A step with pooling chunks: an encoder's whole prompts, or a decoder's pooling
+        chunks (no logits) in one forward with the sampled ones (``pooling.py``)."""
+        out = ModelOutput()  # its ``pooled``: sequence id -> vector, of prompts that ended here
+        if not self.config.causal:
+            out.pooled = self._governed(lambda: self.pooler.encode(chunks))
+            return out
+        sampled = any(c.num_logits for c in chunks)
+        with self.pooler.hidden_states() as hidden:
+            logits = self._governed(lambda: self.forward(chunks) if sampled
+                                    else self._hidden_only(chunks))
+        if sampled:  # pooling chunks have no logits rows: sampling skips them
+            out = sample_step(self.sampler, chunks, logits, masks, draft_probs)
+        out.pooled = self.pooler.collect(chunks, hidden[0])
+        return out
+
+    def _hidden_only(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """A forward with no logits rows: the inner model alone (lm_head would get none)."""
+        batch = build_flat_batch(chunks, self.block_size, self.device)
+        self.model.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
     def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                         stop_ids: frozenset[int] = frozenset()) -> list[int]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tokenmill.request import Request
 
@@ -54,6 +54,12 @@ class ScheduledChunk:
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_drafts:] if self.num_drafts else []
 
+    @property
+    def num_known_tokens(self) -> int:
+        """The sequence's prompt and output tokens when the step was scheduled (drafts not
+        counted): what a length-dependent RoPE (LongRoPE) chooses its factors by."""
+        return self.request.num_tokens
+
 
 @dataclass
 class ModelOutput:
@@ -65,6 +71,8 @@ class ModelOutput:
     token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Sequence[object | None]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None  # the KV connector's workers' report
+    # pooling sequences whose prompt ended this step: id -> their pooled vector (1-D float32)
+    pooled: dict[str, Any] = field(default_factory=dict)
 
 
 # What a step sampled, as the scheduler takes it: ``ModelOutput.token_ids``, or one token id

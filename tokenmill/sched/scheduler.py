@@ -60,6 +60,7 @@ makes progress: no deadlock.
 A KV connector (``kv_remote.py``) may fill tokens past the cached prefix at admission (another
 instance's prefill, an offload tier): the sequence waits in ``running`` for the load, neither
 scheduled nor preempted. Finished sequences' blocks may stay held for a consumer to pull.
+Pooling requests want no logits (their last chunk ends them); encoders' run whole, with no KV.
 
 LoRA (``max_loras``): at most that many distinct adapters among running sequences. A sequence
 whose adapter finds no slot is skipped, and after it only base-model sequences and those of
@@ -76,7 +77,8 @@ from typing import TYPE_CHECKING
 
 from tokenmill.cache import CacheIntegrityError, KVBlockManager
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.request import FinishReason, Request, RequestStatus, check_prompt, sequence_id
+from tokenmill.request import (FinishReason, Request, RequestStatus, check_prompt,
+                               check_whole_prompt, sequence_id)
 from tokenmill.sched.kv_remote import RemoteKV
 from tokenmill.sched.lora_slots import AdapterSlots, adapter_names, check_max_loras
 from tokenmill.sched.output import (Sampled, ScheduledChunk, SchedulerOutput, SchedulerStats,
@@ -292,6 +294,9 @@ class Scheduler:
                 continue
             if chunk.num_logits:
                 updates.append(self._apply_tokens(chunk, sampled_tokens(chunk, sampled)))
+            elif chunk.request.pooling_params is not None and not _remaining(chunk.request):
+                self._finish(chunk.request, RequestStatus.FINISHED_STOPPED)  # a pooled vector
+                updates.append(SeqUpdate(chunk.request, [], True))
             else:  # prefill KV just written: share it with newcomers now
                 self.block_manager.cache_computed(chunk.request)
         self._overhead_s += time.perf_counter() - start
@@ -368,7 +373,9 @@ class Scheduler:
 
     def _admit(self, request: Request, batch: StepBatch) -> bool:
         manager = self.block_manager
-        cached = manager.acquire_cached_prefix(request)
+        if (whole := request.bidirectional) and _remaining(request) > batch.tokens_left:
+            return False  # an encoder's prompt runs whole: a later step's budget takes it
+        cached = manager.acquire_cached_prefix(request) if request.reuses_cached_prefix else 0
         request.num_computed_tokens = cached
         kv = self.remote_kv
         ext, is_async = kv.num_external(request, cached) if kv is not None else (0, False)
@@ -376,7 +383,7 @@ class Scheduler:
         num_new = 0 if is_async else min(_remaining(request) - ext, batch.tokens_left)
         # The watermark keeps room for running sequences to grow; with none running there
         # is nobody to keep room for, and insisting could starve a very long request.
-        if not (manager.can_allocate(request, ext + num_new, watermark=bool(self.running))
+        if not (whole or manager.can_allocate(request, ext + num_new, bool(self.running))
                 and manager.allocate_slots(request, ext + num_new)):
             manager.free(request)  # gives the cached prefix back
             request.num_computed_tokens = 0
@@ -427,7 +434,7 @@ class Scheduler:
             token_ids += request.spec_token_ids[:drafts]
             self.num_draft_tokens += drafts
             request.spec_token_ids = []
-        num_logits = drafts + 1 if end == request.num_tokens else 0
+        num_logits = drafts + 1 if end == request.num_tokens and not request.pooling_params else 0
         table = list(self.block_manager.block_table(request.request_id))
         return ScheduledChunk(request.request_id, token_ids, start, table, num_logits, request,
                               drafts)
@@ -520,6 +527,8 @@ class Scheduler:
 
     def _check_fits(self, request: Request) -> None:
         """Reject a sequence that could not fit even alone in the empty cache."""
+        if request.bidirectional:  # no KV at all, but the whole prompt in one step
+            return check_whole_prompt(request.prompt_token_ids, self.config.max_num_batched_tokens)
         max_tokens = request.sampling_params.max_tokens
         longest = self.max_model_len if max_tokens is None else min(
             self.max_model_len, request.num_prompt_tokens + max_tokens)

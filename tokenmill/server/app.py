@@ -25,6 +25,7 @@ from tokenmill.engine.kv_publisher import advertised
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.plan import format_plan
 from tokenmill.request import PromptError, check_vocabulary
+from tokenmill.server.embeddings import add_pooling_routes
 from tokenmill.server.health import Watchdog, probe
 from tokenmill.server.limits import RequestLimits
 from tokenmill.server.metrics import ServerMetrics
@@ -95,6 +96,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         app.add_middleware(BearerAuth, api_key=settings.api_key, public=public)
     _add_generation_routes(app, OpenAIServing(pipeline))
     add_responses_routes(app, pipeline)
+    add_pooling_routes(app, pipeline)
     add_model_routes(app, pipeline.models, settings.allow_runtime_lora)
     _add_health_routes(app, async_engine, settings, watchdog)
     _add_admin_routes(app, pipeline, metrics)
@@ -198,12 +200,13 @@ def _add_admin_routes(app: FastAPI, pipeline: RequestPipeline, metrics: ServerMe
     @app.get("/server_info")
     async def server_info(request: Request):
         """How this engine runs: every ``EngineInfo`` field (dtype and why, attention backend,
-        the load-time plan, the CPU it found, sizes), threads and KV blocks now. KV-event
-        endpoints bound on every interface are given with the host this request reached the
-        server by, which a client can connect to."""
+        the load-time plan, the CPU it found, sizes), the task it serves, threads and KV blocks
+        now. KV-event endpoints bound on every interface are given with the host this request
+        reached the server by, which a client can connect to."""
         stats = engine.snapshot.stats
         kv_events = advertised(engine.info.kv_events, request.url.hostname or "127.0.0.1")
         return {"version": tokenmill.__version__, **dataclasses.asdict(engine.info),
+                "task": engine.engine.task,  # generate, embed or score: the routes it answers
                 "kv_events": kv_events,
                 "threads": torch.get_num_threads(),
                 "kv_cache_blocks": {"total": stats.num_blocks, "free": stats.num_free_blocks,

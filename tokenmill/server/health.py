@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from tokenmill.engine.async_engine import (AsyncEngine, EngineOverloadedError,
                                            EngineUnavailableError, RequestFailedError)
-from tokenmill.params import SamplingParams
+from tokenmill.params import PoolingParams, SamplingParams
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -86,10 +86,13 @@ async def probe(engine: AsyncEngine, timeout: float) -> tuple[str, str | None]:
 async def _probe_once(engine: AsyncEngine, timeout: float) -> tuple[str, str | None]:
     token = engine.tokenizer.bos_token_id
     steps = engine.snapshot.stats.num_steps
+    task = getattr(engine.engine, "task", "generate")
+    # one token generated, or (an embedding model, a cross-encoder) one token pooled
+    params = SamplingParams(max_tokens=1, temperature=0.0) if task == "generate" \
+        else PoolingParams(task="score" if task in ("score", "rerank") else "embed")
     try:
         stream = await engine.add_request(f"health-{uuid.uuid4().hex}",
-                                          [token if token is not None else 0],
-                                          SamplingParams(max_tokens=1, temperature=0.0))
+                                          [token if token is not None else 0], params)
     except EngineOverloadedError:
         return "busy", "the request queue is full"
     except EngineUnavailableError as e:

@@ -258,6 +258,68 @@ class ResponseStreamEvent(BaseModel):
     sequence_number: int = Field(ge=0)
 
 
+# ----- /v1/embeddings, /v1/rerank, /v1/score ----------------------------------------------------
+
+class PoolingUsage(BaseModel):
+    prompt_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int = Field(ge=0)
+    embedding: list[float] | str = Field(
+        description="the vector; with encoding_format base64, its float32 bytes in base64")
+
+
+class EmbeddingList(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: PoolingUsage
+
+
+class RerankedDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int = Field(ge=0, description="the document's place in the request")
+    relevance_score: float
+    document: RerankedDocument | None = Field(
+        None, description="absent with return_documents: false")
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int = Field(ge=0)
+
+
+class RerankList(BaseModel):
+    """Results by relevance, highest first (top_n of them, when given)."""
+
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class Score(BaseModel):
+    index: int = Field(ge=0)
+    object: Literal["score"]
+    score: float
+
+
+class ScoreList(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Score]
+    usage: PoolingUsage
+
+
 # ----- the other routes -------------------------------------------------------------------------
 
 class ModelCard(BaseModel):
@@ -329,7 +391,7 @@ class ErrorBody(BaseModel):
 MODELS: tuple[type[BaseModel], ...] = (
     Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ResponseObject,
     ResponseStreamEvent, ModelCard, ModelList, Tokenized, Detokenized, FlushedCache, Version,
-    HealthStatus, ServerInfo, ErrorBody)
+    HealthStatus, ServerInfo, ErrorBody, EmbeddingList, RerankList, ScoreList)
 
 
 # ----- the table --------------------------------------------------------------------------------
@@ -363,10 +425,24 @@ def _generation(model: type[BaseModel], not_found: str = _NOT_FOUND) -> Statuses
             503: (_UNAVAILABLE, ErrorBody)}
 
 
+def _pooling(model: type[BaseModel], *paths: str) -> dict[str, Statuses]:
+    """Pooling routes: a ``/v1`` one and its aliases (the same answers, kept out of the
+    document by ``server/embeddings.py``)."""
+    statuses = {200: ("the result", model),
+                400: (_BAD + ", or a model that does not serve this task", ErrorBody),
+                401: (_AUTH, ErrorBody), 404: (_NOT_FOUND, ErrorBody),
+                413: (_TOO_LARGE, ErrorBody), 500: (_FAILED, ErrorBody),
+                503: (_UNAVAILABLE, ErrorBody)}
+    return dict.fromkeys(paths, statuses)
+
+
 ROUTES: dict[str, Statuses] = {
     "/v1/completions": _generation(Completion),
     "/v1/chat/completions": _generation(ChatCompletion),
     "/v1/responses": _generation(ResponseObject, "unknown model or previous response"),
+    **_pooling(EmbeddingList, "/v1/embeddings"),
+    **_pooling(RerankList, "/v1/rerank", "/rerank", "/v2/rerank"),
+    **_pooling(ScoreList, "/v1/score", "/score"),
     "/v1/models": {200: ("the served model, then its LoRA adapters", ModelList),
                    401: (_AUTH, ErrorBody)},
     "/v1/models/{model_id}": {200: ("the model", ModelCard), 401: (_AUTH, ErrorBody),

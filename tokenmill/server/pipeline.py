@@ -242,7 +242,13 @@ class RequestPipeline:
                       logprobs: int | None, structured: StructuredOutputs | None = None,
                       model: ModelChoice | None = None) -> EngineJob:
         """The engine's parameters for these prompts, with the constraint compiled; they run
-        under ``model``'s adapter, if it has one."""
+        under ``model``'s adapter, if it has one. A model served for embeddings or scores
+        generates nothing: that is the client's error, a 400."""
+        task = getattr(self.engine.engine, "task", "generate")
+        if task != "generate":
+            raise invalid("model", f"model: this server runs its model for the {task} task "
+                          "(an embedding model or cross-encoder); it serves /v1/embeddings, "
+                          "/v1/rerank and /score, not text generation", "wrong_model_task")
         params = self.rules.params(req, [len(p.ids) for p in prompts], limit, logprobs,
                                    structured)
         grammar = await self.compile(params.structured_outputs)

@@ -91,6 +91,10 @@ class Tokenizer:
         if tokens["eos_token"] is None and extra:
             tokens["eos_token"] = backend.id_to_token(extra[0])
         _apply_bos_eos_flags(backend, config, tokens["bos_token"], tokens["eos_token"])
+        # BERT-style files pad and truncate every text (to 128 tokens for all-MiniLM): the
+        # engine takes prompts as they are and refuses those too long, never cuts them.
+        backend.no_padding()
+        backend.no_truncation()
         return cls(backend, **tokens, extra_eos_ids=extra,
                    chat_template=_hf_chat_template(path, config))
 
@@ -129,6 +133,12 @@ class Tokenizer:
         if len(text) > _GIL_FREE_CHARS:
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_pair(self, text: str, pair: str) -> tuple[list[int], list[int]]:
+        """A sentence pair as a cross-encoder reads it (BERT: ``[CLS] a [SEP] b [SEP]``, by
+        the tokenizer's pair template): its token ids and each token's segment (0, then 1)."""
+        encoding = self._backend.encode(text, pair)
+        return encoding.ids, encoding.type_ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
