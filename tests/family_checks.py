@@ -36,10 +36,10 @@ def hf_greedy(hf, prompt: list[int], steps: int = STEPS) -> list[int]:
     """transformers' greedy continuation of ``prompt``: ``steps`` tokens, none of them a stop
     (as the engine's ignore_eos; min_new_tokens would instead forbid the end-of-sequence id)."""
     config = copy.deepcopy(hf.generation_config)
-    config.eos_token_id = None
+    config.eos_token_id, config.pad_token_id = None, 0
+    config.max_new_tokens, config.do_sample = steps, False
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                      max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt):].tolist()
 
 

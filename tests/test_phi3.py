@@ -162,12 +162,10 @@ def test_greedy_through_the_server_within_the_original_context(phi4_wide, tmp_pa
     check_server(tmp_path_factory, directory, hf, family_prompts(VOCAB))
 
 
-@pytest.mark.xfail(strict=True, reason="transformers recomputes a sequence when it crosses the "
-                   "original context; the scheduler does not yet (lead: recompute at the crossing "
-                   "and a prefix-cache salt per factor set)")
 def test_greedy_crossing_the_original_context(tmp_path_factory):
-    """Prompts within the original context whose sequences cross it while decoding (on this
-    model the first diverges from transformers without the recompute)."""
+    """Prompts within the original context whose sequences cross it while decoding: the
+    scheduler recomputes each at the crossing, on the long factors, as transformers does (on
+    this model the first diverges from transformers without the recompute)."""
     from tests.family_checks import engine_greedy, hf_greedy
 
     hf, directory = _save(make_phi3(1.0), tmp_path_factory.mktemp("phi3-crossing"))

@@ -119,6 +119,15 @@ class SchedulerConfig:
     max_model_len: int | None = None
     policy: str = "fcfs"  # "fcfs" | "priority" | "lpm" (longest cached prefix first)
 
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
 
 @dataclass(frozen=True)
 class LoRAConfig:

@@ -153,6 +153,8 @@ class Request:
     kv_transfer_params: dict | None = None
     kv_transfer_out: dict | None = None
     lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    # its KV is computed with LongRoPE's long factors (set by the scheduler at admission)
+    long_rope: bool = False
     # A pooling request (an embedding, a cross-encoder's score): its output is one vector from
     # its prompt's hidden states, no token; ``sampling_params`` only bound its length.
     pooling_params: PoolingParams | None = None
@@ -182,11 +184,12 @@ class Request:
 
     @property
     def prefix_namespace(self) -> str | None:
-        """What prefix-cache entries are keyed by besides the tokens: the ``cache_salt`` and the
-        adapter. Without an adapter it is the salt alone, so base-model hashes are as before."""
-        if self.lora is None:
-            return self.cache_salt
-        return f"{self.cache_salt or ''}\x1f{self.lora.cache_key}"
+        """What prefix-cache entries are keyed by besides the tokens: the ``cache_salt``, the
+        adapter, and LongRoPE's long factors (their KV differs from the short factors').
+        Without either it is the salt alone, so base-model hashes are as before."""
+        space = self.cache_salt if self.lora is None else \
+            f"{self.cache_salt or ''}\x1f{self.lora.cache_key}"
+        return f"{space or ''}\x1elong-rope" if self.long_rope else space
 
     @property
     def reuses_cached_prefix(self) -> bool:

@@ -99,6 +99,9 @@ def _build_parts(config: EngineConfig, plan: ExecutionPlan) -> EngineParts:
                           eos_token_ids={*tokenizer.eos_token_ids,
                                          *plan.model_config.eos_token_ids},
                           connector=connector, max_loras=_max_loras(config))
+    rope = plan.model_config.rope_scaling
+    if rope.kind == "longrope":
+        scheduler.rope_boundary = rope.original_max_position_embeddings
     if plan.model_config.every_layer_windowed and connector is None \
             and not config.speculative.speculative_method:
         # blocks wholly behind every layer's window are never read again: released as the

@@ -79,7 +79,8 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family("tokenmill.model.phi3:Phi3ForCausalLM",
                    hf_config=_hook("tokenmill.model.phi3:hf_config"),
                    gguf_config=_hook("tokenmill.model.phi3:gguf_config"),
-                   gguf_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
+                   gguf_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                   fused_step=True),
     # encoders (model/bert.py): the hook makes a sequence classifier "bert_classifier"
     "bert": Family("tokenmill.model.bert:BertModel",
                    hf_config=_hook("tokenmill.model.bert:hf_config")),

@@ -111,7 +111,6 @@ class Scheduler:
                  num_blocks: int | None = None, block_manager: KVBlockManager | None = None,
                  eos_token_ids: Iterable[int] = (), connector: KVConnectorScheduler | None = None,
                  max_loras: int | None = None) -> None:
-        _check_config(scheduler_config)
         check_max_loras(max_loras)
         self.max_loras = max_loras
         self.config = scheduler_config
@@ -142,6 +141,9 @@ class Scheduler:
         self._last_step = (0, 0)  # (batched tokens, scheduled sequences)
         self.connector = connector
         self.remote_kv = None if connector is None else RemoteKV(connector, self.block_manager)
+        # LongRoPE (Phi-3/4): a sequence longer than this runs on the long factors, its KV
+        # included; one crossing it is recomputed whole, as transformers does (set by the build)
+        self.rope_boundary: int | None = None
 
     # ----- requests in and out -------------------------------------------------------------
 
@@ -317,6 +319,10 @@ class Scheduler:
                 self._schedule_running_one(request, batch)
 
     def _schedule_running_one(self, request: Request, batch: StepBatch) -> None:
+        if self.rope_boundary is not None and not request.long_rope \
+                and request.num_tokens > self.rope_boundary:
+            self._preempt(request, batch)  # KV on the short factors: recomputed on the long
+            return
         num_new = min(_remaining(request), batch.tokens_left)
         drafts = self._num_drafts(request, num_new, batch.tokens_left) \
             if request.spec_token_ids else 0
@@ -373,6 +379,8 @@ class Scheduler:
 
     def _admit(self, request: Request, batch: StepBatch) -> bool:
         manager = self.block_manager
+        request.long_rope = self.rope_boundary is not None and \
+            request.num_tokens > self.rope_boundary
         if (whole := request.bidirectional) and _remaining(request) > batch.tokens_left:
             return False  # an encoder's prompt runs whole: a later step's budget takes it
         cached = manager.acquire_cached_prefix(request) if request.reuses_cached_prefix else 0
@@ -460,7 +468,7 @@ class Scheduler:
                 self.waiting.push(seq)  # no room to run now: it will prefill on its own
                 continue
             self.block_manager.fork(leader, seq, shared)
-            seq.num_computed_tokens = shared
+            seq.num_computed_tokens, seq.long_rope = shared, leader.long_rope
             seq.status = RequestStatus.RUNNING
             self.running.push(seq)
 
@@ -579,16 +587,6 @@ def _remaining(request: Request) -> int:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise CacheIntegrityError(message)
-
-
-def _check_config(config: SchedulerConfig) -> None:
-    if config.max_num_batched_tokens < 1:
-        raise ValueError(
-            f"max_num_batched_tokens must be >= 1, got {config.max_num_batched_tokens}")
-    if config.max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {config.max_num_seqs}")
-    if config.max_model_len is not None and config.max_model_len < 2:
-        raise ValueError(f"max_model_len must be >= 2, got {config.max_model_len}")
 
 
 def _make_block_manager(cache_config: CacheConfig, num_blocks: int | None) -> KVBlockManager:

@@ -389,7 +389,9 @@ class DecoderStack {
   at::Tensor attention(size_t i, const at::Tensor& qkv, const Step& a) const {
     const int64_t n = qkv.size(0), qk = (heads_ + kv_heads_) * head_dim_;
     const at::Tensor qk_heads = qkv.narrow(1, 0, qk).view({n, heads_ + kv_heads_, head_dim_});
-    rope_(qk_heads, a.cos, a.sin);  // x1 c - x2 s, x2 c + x1 s: the eager ops' roundings
+    // x1 c - x2 s, x2 c + x1 s: the eager ops' roundings; over each head's leading rotary dims
+    // (all of them but under partial rotary: Phi-4-mini)
+    rope_(qk_heads.narrow(2, 0, 2 * a.cos.size(1)), a.cos, a.sin);
     const at::Tensor q = qk_heads.narrow(1, 0, heads_);
     store_kv(qk_heads.narrow(1, heads_, kv_heads_),
              qkv.narrow(1, qk, kv_heads_ * head_dim_).view({n, kv_heads_, head_dim_}),
