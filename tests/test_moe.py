@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.family_checks import check_engine, check_server, family_prompts, hf_last_logits
-from tests.tiny_models import gguf_tensor_name, llama_cpp_permute, write_word_tokenizer
+from tests.tiny_models import (gguf_tensor_name, llama_cpp_permute, random_causal_lm,
+                                write_word_tokenizer)
 from tokenmill.model.moe import grouped_experts, route
 from tokenmill.runner.batch import Chunk
 from tokenmill.runner.model_runner import ModelRunner
@@ -49,17 +50,16 @@ def make_hf(family: str, seed: int = 0, **overrides):
 
     cls, extra = CONFIGS[family]
     config = getattr(transformers, cls)(**{**COMMON, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "gate.weight" in name or "router" in name:
-                p.normal_(0.0, 0.5)  # routers that separate experts clearly
-            else:
-                p.normal_(0.0, 0.08 if p.dim() > 1 else 0.2)
-    return model
+
+    def init(name: str, p) -> bool:
+        if "norm" in name:
+            return False
+        # routers that separate experts clearly; biases a little wider than weights
+        p.normal_(0.0, 0.5 if "gate.weight" in name or "router" in name
+                  else 0.08 if p.dim() > 1 else 0.2)
+        return True
+
+    return random_causal_lm(config, seed, init)
 
 
 _SAVED: dict = {}

@@ -15,7 +15,7 @@ import torch
 
 from tests.family_checks import STEPS, check_engine, check_server, family_prompts
 from tests.family_checks import hf_last_logits
-from tests.tiny_models import write_word_tokenizer
+from tests.tiny_models import random_causal_lm, write_word_tokenizer
 
 VOCAB = 96
 ORIGINAL = 32  # family_prompts' prompts are 9-70 tokens, 32 more are generated
@@ -39,15 +39,7 @@ def make_phi3(partial: float, original: int = ORIGINAL, window: int | None = Non
                       "long_factor": [1.5 + 0.7 * i for i in range(pairs)]},
         sliding_window=window, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    return model
+    return random_causal_lm(cfg, seed)
 
 
 def _save(hf, directory):

@@ -38,10 +38,20 @@ def make_hf_model(arch: str, seed: int = 0, **config_overrides):
 
     cls_name, extra = ARCHS[arch]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra, **config_overrides})
+    return random_causal_lm(config, seed)
+
+
+def random_causal_lm(config, seed: int = 0, init=None):
+    """transformers' causal LM of ``config`` in eval mode, every weight random: norms near 1,
+    the rest N(0, 0.08); ``init(name, param)`` may draw a parameter its own way (True: done)."""
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if init is not None and init(name, p):
+                continue
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:

@@ -79,12 +79,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # a family on these layers swaps its parts here (model/moe_families.py)
+    attention_class: type[nn.Module] = LlamaAttention  # (cfg, backend, comm, layer index)
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend, comm, layer)
+        self.self_attn = self.attention_class(cfg, backend, comm, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, comm)
+        self.mlp = self.make_mlp(cfg, comm, layer)
+
+    def make_mlp(self, cfg: ModelConfig, comm, layer: int) -> nn.Module:
+        return LlamaMLP(cfg, comm)
 
     def forward(self, rope, h, residual, kv_cache: KVCache, meta: AttentionMetadata):
         if residual is None:
@@ -97,14 +103,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[nn.Module] = LlamaDecoderLayer  # (cfg, backend, comm, layer index)
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
         super().__init__()
         self.comm = comm
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size,
                                       *((comm.vocab_start, comm) if comm is not None else ()))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, comm, i)
+        self.rotary = self.make_rotary(cfg)
+        self.layers = nn.ModuleList(self.layer_class(cfg, backend, comm, i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # the layer loop in one call (runner/cpu_step.py), set by the runner where it applies;
@@ -136,6 +143,11 @@ class LlamaModel(nn.Module):
         h, _ = self.norm(h, residual)
         return h
 
+    def make_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
+        """The RoPE table every layer reads (Phi-3's rotates part of each head)."""
+        return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                               cfg.rope_scaling)
+
     def layer_count(self, num_layers: int | None, kv_caches: list[KVCache]) -> int:
         """The layers a forward runs: ``num_layers`` of them (an early exit) or all."""
         total = len(self.layers)
@@ -147,11 +159,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[nn.Module] = LlamaModel  # (cfg, backend, comm)
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
         super().__init__()
         self.config = cfg
         self.comm = comm
-        self.model = LlamaModel(cfg, backend, comm)
+        self.model = self.model_class(cfg, backend, comm)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.share_weight(self.model.embed_tokens.weight)

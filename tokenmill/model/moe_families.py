@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionBackend
 from tokenmill.config import ModelConfig
-from tokenmill.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, empty_param
+from tokenmill.model.layers import Linear, empty_param
 from tokenmill.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.model.llama import LlamaMLP, LlamaModel
 from tokenmill.model.moe import SparseMoE, split_experts
@@ -56,8 +56,8 @@ class MoEAttention(LlamaAttention):
     """Llama's attention (with the layer's sliding window); gpt-oss adds an o_proj bias and
     attention sinks."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int):
-        super().__init__(cfg, backend, None, layer)
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm, layer: int):
+        super().__init__(cfg, backend, comm, layer)
         if cfg.extra.get("attention_sinks", False):
             self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=True)
             self.sinks = empty_param(cfg.num_heads)
@@ -72,39 +72,27 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int):
-        nn.Module.__init__(self)  # Llama's layer with other parts; its forward as it is
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MoEAttention(cfg, backend, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg, LlamaMLP) if is_moe_layer(cfg, layer) else LlamaMLP(cfg)
+    """Llama's layer with this family's attention and, where the layer routes, experts."""
+
+    attention_class = MoEAttention
+
+    def make_mlp(self, cfg: ModelConfig, comm, layer: int) -> nn.Module:
+        return SparseMoE(cfg, LlamaMLP) if is_moe_layer(cfg, layer) else LlamaMLP(cfg)
 
 
 class MoEModel(LlamaModel):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
-        nn.Module.__init__(self)  # LlamaModel's parts, these decoder layers; its forward
-        self.comm = None
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
-        self.layers = nn.ModuleList(MoEDecoderLayer(cfg, backend, i)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.fused_layers = None
+    layer_class = MoEDecoderLayer
 
 
 class MoEForCausalLM(LlamaForCausalLM):
     """A mixture-of-experts decoder of any of the families above (their config decides)."""
 
+    model_class = MoEModel
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
         if comm is not None:
             raise ValueError("mixture-of-experts models run on one rank")
-        nn.Module.__init__(self)
-        self.config, self.comm = cfg, None
-        self.model = MoEModel(cfg, backend)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.share_weight(self.model.embed_tokens.weight)
+        super().__init__(cfg, backend)
 
     def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
                            ) -> Iterator[tuple[str, torch.Tensor]]:

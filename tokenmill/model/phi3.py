@@ -17,11 +17,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 import torch
-from torch import nn
 
-from tokenmill.attention import AttentionBackend, AttentionMetadata
-from tokenmill.config import ModelConfig, RopeScaling
-from tokenmill.model.layers import Linear, RotaryEmbedding
+from tokenmill.attention import AttentionMetadata
+from tokenmill.config import ModelConfig
+from tokenmill.model.layers import RotaryEmbedding
 from tokenmill.model.llama import KVCache, LlamaForCausalLM, LlamaModel
 from tokenmill.model.quant import QuantWeight
 
@@ -31,13 +30,9 @@ Weight = torch.Tensor | QuantWeight
 class Phi3Model(LlamaModel):
     """``LlamaModel`` with a RoPE table of the rotated dims only, LongRoPE's rows included."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
-        # Llama's own table (whole heads, plain frequencies) is built for one position and
-        # replaced: its LongRoPE factors would not even fit a whole head
-        super().__init__(replace(cfg, max_position_embeddings=1, rope_scaling=RopeScaling()),
-                         backend, comm)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling, rotary_dim(cfg))
+    def make_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                               cfg.rope_scaling, rotary_dim(cfg))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata, *args, **kwargs):
@@ -50,14 +45,7 @@ class Phi3Model(LlamaModel):
 class Phi3ForCausalLM(LlamaForCausalLM):
     """``LlamaForCausalLM`` (its forward, its parts) over a ``Phi3Model``."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, comm=None):
-        nn.Module.__init__(self)  # not Llama's: it would build a whole LlamaModel first
-        self.config = cfg
-        self.comm = comm
-        self.model = Phi3Model(cfg, backend, comm)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.share_weight(self.model.embed_tokens.weight)
+    model_class = Phi3Model
 
     def checkpoint_weights(self, weights: Iterable[tuple[str, Weight]]
                            ) -> Iterator[tuple[str, Weight]]:
