@@ -2,7 +2,7 @@
 to a real ``tokenmill serve`` of a tiny random-weight model and checks that every answer is a
 documented status, content type and body, and never a server error.
 
-``TOKENMILL_SCHEMA_EXAMPLES`` sets the examples per operation (default 150; a longer run:
+``TOKENMILL_SCHEMA_EXAMPLES`` sets the examples per operation (default 100; a longer run:
 ``TOKENMILL_SCHEMA_EXAMPLES=2000``).
 """
 
@@ -29,7 +29,7 @@ from tokenmill.server.openapi import ROUTES, STREAMING
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = int(os.environ.get("TOKENMILL_SCHEMA_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("TOKENMILL_SCHEMA_EXAMPLES", "100"))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance]
 EOS = "<eos>"

@@ -12,8 +12,22 @@
 // sits in anonymous namespaces: nothing leaves the module but its bindings.
 #pragma once
 
-#include <ATen/ATen.h>
+// ATen's tensor, dispatch and threads, and the few operators the kernels call, rather than
+// <ATen/ATen.h>: every header here parses this, and all of ATen costs ~4x the time
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/clamp_max.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
