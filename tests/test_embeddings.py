@@ -141,6 +141,9 @@ def decoder(tmp_path_factory):
     hf = make_hf_model("qwen3")
     directory = save_hf_model(hf, tmp_path_factory.mktemp("qwen3-embed"))
     write_word_tokenizer(directory, VOCAB)
+    config = json.loads((directory / "config.json").read_text())  # trained for truncation, as
+    config["is_matryoshka"] = True  # vLLM's hf_overrides would say of Qwen3-Embedding
+    (directory / "config.json").write_text(json.dumps(config))
     return hf, LLM(str(directory), **DECODER_OPTIONS)
 
 

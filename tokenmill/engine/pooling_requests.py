@@ -45,6 +45,8 @@ class PoolingSetup:
     max_batched_tokens: int = 2048
     distributed: bool = False
     max_prompt_tokens: int | None = None  # a sentence-transformers model's max_seq_length
+    # the sizes ``dimensions`` may take: () any, None none (not a Matryoshka model)
+    matryoshka: tuple[int, ...] | None = ()
 
     @classmethod
     def for_plan(cls, plan: ExecutionPlan, task_option: str | None) -> PoolingSetup:
@@ -61,7 +63,8 @@ class PoolingSetup:
             raise ValueError("--task score needs a cross-encoder (a sequence classifier such as "
                              "BertForSequenceClassification); this model embeds (--task embed)")
         return cls(task, PoolingParams("embed", model.pooling, model.normalize), cfg,
-                   plan.max_batched_tokens, plan.parallel.distributed, model.max_tokens)
+                   plan.max_batched_tokens, plan.parallel.distributed, model.max_tokens,
+                   model.matryoshka)
 
     @property
     def causal(self) -> bool:
@@ -115,11 +118,23 @@ class PoolingSetup:
         if pair and params.task != "score":
             raise ParamError("prompt", "a (text, text) pair is scored by a cross-encoder "
                              "(task score); embed each text on its own")
-        size = self.config.hidden_size if self.config is not None else None
-        if params.dimensions is not None and size is not None and params.dimensions > size:
-            raise ParamError("dimensions", f"dimensions {params.dimensions} exceeds the "
-                             f"model's embedding size {size}")
+        if params.dimensions is not None:
+            self._check_dimensions(params.dimensions)
         return params.resolved(self.defaults)
+
+    def _check_dimensions(self, dimensions: int) -> None:
+        """Truncation only where the model was trained for it (vLLM refuses it likewise)."""
+        size = self.config.hidden_size if self.config is not None else None
+        if size is not None and dimensions > size:
+            raise ParamError("dimensions", f"dimensions {dimensions} exceeds the model's "
+                             f"embedding size {size}")
+        if self.matryoshka is None:
+            raise ParamError("dimensions", "this model was not trained for Matryoshka "
+                             "truncation (its config.json sets neither is_matryoshka nor "
+                             "matryoshka_dimensions), so it keeps all its dimensions")
+        if self.matryoshka and dimensions not in self.matryoshka:
+            raise ParamError("dimensions", f"this model keeps {list(self.matryoshka)} "
+                             f"dimensions, not {dimensions}")
 
 
 def _model_pooling(model: str, cfg: ModelConfig, task: str | None) -> ModelPooling:

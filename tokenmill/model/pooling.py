@@ -11,7 +11,7 @@ row for CLS), so a prompt longer than the step's token budget embeds as if read 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,15 +30,18 @@ _ST_MODULES = ("Transformer", "Pooling", "Normalize")
 @dataclass(frozen=True)
 class ModelPooling:
     """What a model serves by default and how it pools: ``task`` ("generate", "embed",
-    "score"), ``pooling`` ("last", "mean", "cls"), ``normalize``, where that was read, and the
+    "score"), ``pooling`` ("last", "mean", "cls"), ``normalize``, where that was read, the
     longest prompt it embeds (sentence_bert_config.json's ``max_seq_length``; None: the
-    context)."""
+    context), and whether it may be truncated to fewer dimensions."""
 
     task: str
     pooling: str
     normalize: bool
     source: str
     max_tokens: int | None = None
+    # Matryoshka truncation (``dimensions``): the sizes the model was trained to keep, () for
+    # any, None where it was not (config.json's matryoshka_dimensions / is_matryoshka)
+    matryoshka: tuple[int, ...] | None = None
 
 
 def model_pooling(model_path: str | Path, cfg: ModelConfig) -> ModelPooling:
@@ -46,12 +49,23 @@ def model_pooling(model_path: str | Path, cfg: ModelConfig) -> ModelPooling:
     it an embedding model), else the config's task with the family's usual pooling."""
     path = Path(model_path)
     st = read_sentence_transformers(path) if path.is_dir() else None
-    if st is not None:
-        return st
-    if not cfg.causal:
-        return ModelPooling(cfg.task, "cls", True, "an encoder's default: CLS, normalised")
-    return ModelPooling(cfg.task, "last", True,
-                        "a decoder's default: the last token, normalised (Qwen3-Embedding)")
+    if st is None and not cfg.causal:
+        st = ModelPooling(cfg.task, "cls", True, "an encoder's default: CLS, normalised")
+    elif st is None:
+        st = ModelPooling(cfg.task, "last", True,
+                          "a decoder's default: the last token, normalised (Qwen3-Embedding)")
+    return replace(st, matryoshka=read_matryoshka(path / "config.json"))
+
+
+def read_matryoshka(config_file: Path) -> tuple[int, ...] | None:
+    """The sizes a model's embeddings may be cut to, as vLLM reads them from config.json:
+    ``matryoshka_dimensions`` (those), ``is_matryoshka`` (any: ()), else None (not trained
+    for it, so truncation would only lose quality)."""
+    raw = _read(config_file) if config_file.is_file() else {}
+    sizes = raw.get("matryoshka_dimensions")
+    if sizes:
+        return tuple(int(n) for n in sizes)
+    return () if raw.get("is_matryoshka") else None
 
 
 def read_sentence_transformers(model_dir: Path) -> ModelPooling | None:
