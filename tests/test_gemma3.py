@@ -14,7 +14,8 @@ import torch
 
 from tests.family_checks import check_engine, check_server, family_prompts, hf_greedy
 from tests.family_checks import hf_last_logits
-from tests.tiny_models import make_hf_model, save_hf_model, write_word_tokenizer
+from tests.tiny_models import finish_gguf, gguf_writer, make_hf_model, save_hf_model
+from tests.tiny_models import write_word_tokenizer
 from tokenmill.model.loader import load_model
 from tokenmill.runner.batch import Chunk
 from tokenmill.runner.model_runner import ModelRunner
@@ -132,22 +133,11 @@ _GGUF_NAMES = {
 
 
 def _write_gemma3_gguf(hf, path) -> None:
-    import gguf
-
     cfg = hf.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    w = gguf_writer(cfg, path, "gemma3", cfg.rope_parameters["full_attention"]["rope_theta"])
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_sliding_window(cfg.sliding_window)
-    w.add_vocab_size(cfg.vocab_size)
     for name, p in hf.named_parameters():
         data = p.detach().float().numpy()
         if name.endswith("norm.weight"):
@@ -160,10 +150,7 @@ def _write_gemma3_gguf(hf, path) -> None:
         elif base.startswith("model.layers."):
             _, _, layer, rest = base.split(".", 3)
             w.add_tensor(f"blk.{layer}.{_GGUF_NAMES[rest]}.{kind}", data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 # ----- the real Gemma 3 270M ------------------------------------------------------------------

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.family_checks import check_engine, check_server, family_prompts, hf_last_logits
-from tests.tiny_models import (gguf_tensor_name, llama_cpp_permute, random_causal_lm,
-                                write_word_tokenizer)
+from tests.tiny_models import (finish_gguf, gguf_tensor_name, gguf_writer, llama_cpp_permute,
+                                random_causal_lm, write_word_tokenizer)
 from tokenmill.model.moe import grouped_experts, route
 from tokenmill.runner.batch import Chunk
 from tokenmill.runner.model_runner import ModelRunner
@@ -119,25 +119,12 @@ def _write_moe_gguf(hf, path, arch: str) -> None:
     """``hf`` as llama.cpp writes it: Mixtral as arch "llama" with an expert count (q/k rows
     permuted), Qwen2-MoE as "qwen2moe"; each layer's experts stacked into
     ffn_{gate,up,down}_exps (E, out, in), the router and shared expert by their GGUF names."""
-    import gguf
-
     cfg = hf.config
     inter = getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)
-    w = gguf.GGUFWriter(str(path), arch)
-    for add, value in [(w.add_context_length, cfg.max_position_embeddings),
-                       (w.add_embedding_length, cfg.hidden_size),
-                       (w.add_block_count, cfg.num_hidden_layers),
-                       (w.add_feed_forward_length, cfg.intermediate_size),
-                       (w.add_head_count, cfg.num_attention_heads),
-                       (w.add_head_count_kv, cfg.num_key_value_heads),
-                       (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
-                       (w.add_rope_freq_base, cfg.rope_parameters["rope_theta"]),
-                       (w.add_vocab_size, cfg.vocab_size),
-                       (w.add_expert_count, getattr(cfg, "num_local_experts", None)
-                        or cfg.num_experts),
-                       (w.add_expert_used_count, cfg.num_experts_per_tok),
-                       (w.add_expert_feed_forward_length, inter)]:
-        add(value)
+    w = gguf_writer(cfg, path, arch, cfg.rope_parameters["rope_theta"])
+    w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(inter)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     state = {k: v.detach().numpy().astype("float32") for k, v in hf.state_dict().items()}
@@ -161,10 +148,7 @@ def _write_moe_gguf(hf, path, arch: str) -> None:
         for kind, t in (("gate", gate_up[:, :inter]), ("up", gate_up[:, inter:]),
                         ("down", down)):
             w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", t.copy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.mark.parametrize("family,arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe")])

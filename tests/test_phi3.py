@@ -15,7 +15,7 @@ import torch
 
 from tests.family_checks import STEPS, check_engine, check_server, family_prompts
 from tests.family_checks import hf_last_logits
-from tests.tiny_models import random_causal_lm, write_word_tokenizer
+from tests.tiny_models import finish_gguf, gguf_writer, random_causal_lm, write_word_tokenizer
 
 VOCAB = 96
 ORIGINAL = 32  # family_prompts' prompts are 9-70 tokens, 32 more are generated
@@ -175,17 +175,9 @@ def write_phi3_gguf(hf, path, qtype_name: str) -> None:
 
     cfg, arch = hf.config, "phi3"
     rope = cfg.rope_parameters
-    w = gguf.GGUFWriter(str(path), arch)
-    for key, value in [("context_length", 128), ("embedding_length", cfg.hidden_size),
-                       ("block_count", cfg.num_hidden_layers),
-                       ("feed_forward_length", cfg.intermediate_size),
-                       ("attention.head_count", cfg.num_attention_heads),
-                       ("attention.head_count_kv", cfg.num_key_value_heads),
-                       ("rope.dimension_count", int(16 * rope["partial_rotary_factor"])),
-                       ("rope.scaling.original_context_length", ORIGINAL), ("vocab_size", VOCAB)]:
-        w.add_uint32(f"{arch}.{key}", value)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+    w = gguf_writer(cfg, path, arch, rope["rope_theta"])  # a context of 128 (make_phi3)
+    w.add_uint32(f"{arch}.rope.dimension_count", int(16 * rope["partial_rotary_factor"]))
+    w.add_uint32(f"{arch}.rope.scaling.original_context_length", ORIGINAL)
     for kind in ("long", "short"):
         w.add_tensor(f"rope_factors_{kind}.weight",
                      np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
@@ -205,10 +197,7 @@ def write_phi3_gguf(hf, path, qtype_name: str) -> None:
                 p.copy_(torch.from_numpy(quants.dequantize(data, qtype)))
             prefix = f"blk.{layer}." if layer is not None else ""
             w.add_tensor(f"{prefix}{names[sub]}.weight", data, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])

@@ -98,16 +98,7 @@ def write_tiny_gguf(model, path: Path, arch: str, qtype_name: str = "F32") -> No
 
     cfg = model.config
     qtype = gguf.GGMLQuantizationType[qtype_name]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_vocab_size(cfg.vocab_size)
+    w = gguf_writer(cfg, path, arch, cfg.rope_parameters["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -124,6 +115,29 @@ def write_tiny_gguf(model, path: Path, arch: str, qtype_name: str = "F32") -> No
                 rounded = quants.quantize(p.detach().numpy().astype("float32"), qtype)
                 p.copy_(torch.from_numpy(quants.dequantize(rounded, qtype)))
             w.add_tensor(gguf_tensor_name(name), data, raw_dtype=raw)
+    finish_gguf(w)
+
+
+def gguf_writer(cfg, path: Path, arch: str, rope_theta: float):
+    """A ``gguf.GGUFWriter`` for ``arch`` holding the shape keys llama.cpp's converter writes
+    for the transformers config ``cfg``; the caller adds its own keys and the tensors."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    return w
+
+
+def finish_gguf(w) -> None:
+    """Write ``gguf_writer``'s file: header, keys, tensors."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
