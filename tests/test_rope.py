@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.config import RopeScaling
 from tokenmill.kernels import cpu as cpu_kernels
-from tokenmill.model.hf_files import _rope_scaling
+from tokenmill.model.hf_files import rope_scaling
 from tokenmill.model.layers import RotaryEmbedding, apply_rope, rope_attention_factor
 from tokenmill.model.layers import rope_inv_freq
 
@@ -43,7 +43,7 @@ def _yarn_config(**rope):
 
 def _ours(hf_config) -> RopeScaling:
     raw = hf_config.to_dict()
-    return _rope_scaling(raw["rope_parameters"], raw, HERE)
+    return rope_scaling(raw["rope_parameters"], raw, HERE)
 
 
 def _rotary_dim(hf_config) -> int:

@@ -54,7 +54,7 @@ def hf_config(raw: dict, cfg: ModelConfig) -> ModelConfig:
     """Gemma 3's own fields from config.json (a Gemma3ForConditionalGeneration's text_config
     for model_type "gemma3"); RoPE as transformers 5 nests it per layer type, or the older
     rope_theta / rope_local_base_freq / rope_scaling."""
-    from tokenmill.model.hf_files import _rope_scaling
+    from tokenmill.model.hf_files import rope_scaling
 
     text = raw.get("text_config") or raw
     if text.get("attn_logit_softcapping") is not None:
@@ -75,7 +75,7 @@ def hf_config(raw: dict, cfg: ModelConfig) -> ModelConfig:
     types = text.get("layer_types") or _pattern_types(layers,
                                                       text.get("sliding_window_pattern", _PATTERN))
     return replace(cfg, rope_theta=float(theta),
-                   rope_scaling=_rope_scaling(scaling, text, Path("config.json")),
+                   rope_scaling=rope_scaling(scaling, text, Path("config.json")),
                    tie_word_embeddings=text.get("tie_word_embeddings",
                                                 raw.get("tie_word_embeddings", True)),
                    sliding_window=text.get("sliding_window"), layer_types=tuple(types),

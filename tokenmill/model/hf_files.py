@@ -55,7 +55,7 @@ def _config_from_dict(raw: dict, arch: str, model_dir: Path) -> ModelConfig:
         max_position_embeddings=max_pos,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta),
-        rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope, raw, model_dir),
+        rope_scaling=rope_scaling(raw.get("rope_scaling") or rope, raw, model_dir),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=arch == "qwen2" or raw.get("attention_bias", False),
         qk_norm=arch == "qwen3",
@@ -82,7 +82,10 @@ def _sliding_window(raw: dict, arch: str) -> dict:
     return {"sliding_window": int(window), "layer_types": types}
 
 
-def _rope_scaling(rs: dict, raw: dict, model_dir: Path) -> RopeScaling:
+def rope_scaling(rs: dict, raw: dict, model_dir: Path) -> RopeScaling:
+    """A config.json's RoPE scaling (``rs``: rope_scaling, or transformers 5's rope_parameters;
+    ``raw``: the whole config, for fields some kinds keep beside it); ModelLoadError names a
+    kind tokenmill does not implement."""
     kind = rs.get("rope_type") or rs.get("type") or "default"
     if kind == "default":
         return RopeScaling()
