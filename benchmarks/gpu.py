@@ -12,12 +12,17 @@ ignored, greedy. Parts:
   count): output tok/s;
 - ``steps``: decode steps of ``--step-batches`` sequences run by the ModelRunner directly: the
   host's time to build the inputs and launch the step, against the step's time on the GPU;
+- ``kernels``: the kernels one eager decode step launches (torch.profiler), in all and per
+  decoder layer, and each per-layer kernel's name and launches per layer;
 - ``serve``: ``tokenmill serve`` on this GPU and ``tokenmill bench serve`` at ``--serve``
   concurrencies (random workload, 2 x concurrency prompts, at least 16);
 - ``quality``: greedy agreement on the 16 prompts of tests/test_engine_real.py (24 tokens each,
   identical tokens position by position) of the GPU with graphs, without (``--enforce-eager``),
   with fp8 weights and with an fp8 KV cache, against the CPU's float32 reference and against
-  the GPU's own bf16 run; and the perplexity of each on the shipped text.
+  the GPU's own bf16 run; each differing prompt's first divergence and the reference's margin
+  between its two best logits there; and the perplexity of each on the shipped text;
+- ``cpu-reference``: that reference alone, written to ``--cpu-reference`` (take it on a CPU
+  machine, then pass the file to the GPU's ``quality`` run).
 
 Prints one JSON object (and writes it to ``--out`` if given).
 """
@@ -133,6 +138,43 @@ def steps(args, batch: int) -> dict:
             "graphs": runner.graphs is not None}
 
 
+def kernels(args, batch: int) -> dict:
+    """Kernels of one eager decode step of ``batch`` sequences: their count, the count per
+    decoder layer, and each per-layer kernel's launches per layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tokenmill import LLM
+    from tokenmill.runner.batch import Chunk
+
+    llm = LLM(args.model, max_num_seqs=max(batch, 8), **dict(engine_options(args),
+                                                             enforce_eager=True))
+    runner = llm.engine.executor.worker
+    layers = len(runner.model.model.layers)
+    per_seq = -(-(args.input_len + 8) // runner.block_size)
+    chunks = [Chunk([7], args.input_len, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
+              for i in range(batch)]
+    cuda = runner.device.type == "cuda"
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    for _ in range(3):  # compiles, autotunes
+        runner.forward(chunks)
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[activity]) as prof:
+        runner.forward(chunks)
+        if cuda:
+            torch.cuda.synchronize()
+    names = [e.name for e in prof.events()
+             if (e.device_type.name == "CUDA") == cuda and (cuda or e.cpu_parent is None)]
+    counts: dict[str, int] = {}
+    for n in names:
+        counts[n] = counts.get(n, 0) + 1
+    # a kernel launched k times a layer appears k * layers times (or more, never fewer)
+    per_layer = sum(c // layers for c in counts.values())
+    per_name = {n[:100]: c // layers for n, c in counts.items() if c >= layers}
+    return {"batch": batch, "kernels_per_step": len(names), "kernels_per_layer": per_layer,
+            "layers": layers, "layer_kernels": per_name}
+
+
 def serve(args, concurrencies: list[int]) -> list[dict]:
     from compare import bench_args  # benchmarks/compare.py
 
@@ -177,33 +219,79 @@ def serve(args, concurrencies: list[int]) -> list[dict]:
         proc.wait(timeout=60)
 
 
-def quality(args) -> dict:
+def greedy_run(model: str, opts: dict) -> tuple[list[list[int]], list[list[int]]]:
+    """The 16 prompts' prompt ids and 24 greedy tokens under ``opts``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, for tests/
     from tests.test_engine_real import PROMPTS
     from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model, kv_cache_memory=256 << 20, **opts)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    return [list(o.prompt_token_ids) for o in outs], [list(o.outputs[0].token_ids) for o in outs]
+
+
+def cpu_reference(args) -> dict:
+    """The CPU float32 reference: greedy tokens, the margin between the two best logits at
+    each of their positions (teacher-forced), and perplexity; written to ``--cpu-reference``."""
+    from tokenmill import LLM
+    from tokenmill.eval.perplexity import perplexity
+    from tokenmill.runner.batch import Chunk
+
+    opts = dict(device="cpu", dtype="float32")
+    prompts, outs = greedy_run(args.model, opts)
+    runner = LLM(args.model, kv_cache_memory=256 << 20, **opts).engine.executor.worker
+    margins = []
+    for ids, out in zip(prompts, outs):
+        seq = ids + out[:-1]
+        table = list(range(1, 2 + len(seq) // runner.block_size))
+        logits = runner.forward([Chunk(seq, 0, table, num_logits=len(seq))])[len(ids) - 1:]
+        top2 = logits.topk(2, dim=-1).values  # (len(out), 2)
+        margins.append([round(float(m), 4) for m in top2[:, 0] - top2[:, 1]])
+    ref = {"outputs": outs, "margins": margins,
+           "perplexity": round(perplexity(args.model, **opts).perplexity, 4)}
+    if args.cpu_reference:
+        args.cpu_reference.write_text(json.dumps(ref))
+    return ref
+
+
+def quality(args) -> dict:
+    """Greedy tokens and perplexity of each GPU setting against the CPU float32 reference
+    (read from ``--cpu-reference`` where given: the GPU machine need not build the CPU
+    kernels); per prompt that differs, the first position that does and the reference's
+    margin between its two best logits there (a near-tie that bf16 may flip)."""
     from tokenmill.eval.perplexity import perplexity
 
-    params = SamplingParams(temperature=0, max_tokens=24)
+    if args.cpu_reference and args.cpu_reference.exists():
+        ref = json.loads(args.cpu_reference.read_text())
+    else:
+        ref = cpu_reference(args)
     gpu = dict(device=args.device, dtype=args.dtype)
-    settings = {"cpu float32": dict(device="cpu", dtype="float32"),
-                "gpu": gpu, "gpu eager": dict(gpu, enforce_eager=True),
+    settings = {"gpu": gpu, "gpu eager": dict(gpu, enforce_eager=True),
                 "gpu fp8 weights": dict(gpu, quantization="fp8"),
                 "gpu fp8 KV": dict(gpu, kv_cache_dtype="fp8")}
-    outs, ppl = {}, {}
+    outs, ppl = {"cpu float32": ref["outputs"]}, {"cpu float32": ref["perplexity"]}
     for name, opts in settings.items():
-        llm = LLM(args.model, kv_cache_memory=256 << 20, **opts)
-        outs[name] = [o.outputs[0].token_ids for o in
-                      llm.generate(PROMPTS, params, use_tqdm=False)]
-        del llm
+        outs[name] = greedy_run(args.model, opts)[1]
         ppl[name] = round(perplexity(args.model, **opts).perplexity, 4)
 
     def agree(a: str, b: str) -> float:
         pairs = [(x, y) for p, q in zip(outs[a], outs[b]) for x, y in zip(p, q)]
         return round(sum(x == y for x, y in pairs) / len(pairs), 4)
 
+    def divergences(name: str) -> list[dict]:
+        found = []
+        for i, (p, q) in enumerate(zip(outs[name], ref["outputs"])):
+            at = next((j for j, (x, y) in enumerate(zip(p, q)) if x != y), None)
+            if at is not None:
+                found.append({"prompt": i, "position": at,
+                              "reference_margin": ref["margins"][i][at]})
+        return found
+
     return {"perplexity": ppl,
-            "agreement_with_cpu_float32": {n: agree(n, "cpu float32") for n in settings},
-            "agreement_with_gpu": {n: agree(n, "gpu") for n in settings}}
+            "agreement_with_cpu_float32": {n: agree(n, "cpu float32") for n in outs},
+            "agreement_with_gpu": {n: agree(n, "gpu") for n in outs},
+            "identical_prompts": {n: 16 - len(divergences(n)) for n in outs},
+            "first_divergences": {n: divergences(n) for n in settings}}
 
 
 def engine_facts(llm) -> dict:
@@ -227,23 +315,30 @@ def main() -> None:
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--parts", default="single,steps,offline,serve,quality")
+    ap.add_argument("--parts", default="single,kernels,steps,offline,serve,quality")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--offline", default="32,256,1024")
     ap.add_argument("--step-batches", default="1,64,256")
     ap.add_argument("--serve", default="1,64,256")
     ap.add_argument("--port", type=int, default=8199)
+    ap.add_argument("--cpu-reference", type=Path,
+                    help="the CPU float32 reference of the quality part: read where it "
+                         "exists, else computed and written there (--parts cpu-reference)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     parts = args.parts.split(",")
-    result: dict = {"settings": {k: v for k, v in vars(args).items() if k != "out"}}
+    result: dict = {"settings": {k: str(v) if isinstance(v, Path) else v
+                                 for k, v in vars(args).items() if k != "out"}}
     if "single" in parts:
         result["single"] = single(args)
         print(json.dumps(result["single"]), flush=True)
     if "steps" in parts:
         result["steps"] = [steps(args, b) for b in ints(args.step_batches)]
         print(json.dumps(result["steps"]), flush=True)
+    if "kernels" in parts:
+        result["kernels"] = [kernels(args, b) for b in (1, 64)]
+        print(json.dumps(result["kernels"]), flush=True)
     if "offline" in parts:
         result["offline"] = []
         for n in ints(args.offline):
@@ -251,6 +346,8 @@ def main() -> None:
             print(json.dumps(result["offline"][-1]), flush=True)
     if "serve" in parts:
         result["serve"] = serve(args, ints(args.serve))
+    if "cpu-reference" in parts:
+        result["cpu_reference"] = cpu_reference(args)
     if "quality" in parts:
         result["quality"] = quality(args)
         print(json.dumps(result["quality"]), flush=True)

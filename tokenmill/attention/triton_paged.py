@@ -5,7 +5,9 @@ under ``TRITON_INTERPRET=1``):
 
 ``_store_kv``: one program per new token copies its K and V rows (all KV heads, or the packed
 int8 / fp8 rows with their scales) to the token's cache slot. A slot < 0 writes nothing: the
-padded rows of a captured CUDA graph (``runner/cuda_graphs.py``).
+padded rows of a captured CUDA graph (``runner/cuda_graphs.py``). Not launched where the
+Llama family's fused RoPE kernel wrote K/V already (``kernels/triton_fused.py``,
+``forward(..., kv_stored=True)``).
 
 ``_paged_attention``: one program per (query tile, KV head, KV split). A query tile is up to
 ``BLOCK_Q`` consecutive new tokens of one sequence times the ``GROUP`` query heads that share
@@ -275,8 +277,12 @@ class TritonPagedBackend(AttentionBackend):
                         ROW=row, ROW_PAD=_next_pow2(row))
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, *,
-                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        self.store_kv(k, v, kv_cache, meta.slot_mapping)
+                window: int | None = None, sinks: torch.Tensor | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
+        """``kv_stored``: the new K/V are in the cache already (written by the fused RoPE
+        kernel, ``kernels/triton_fused.py``); ``k`` and ``v`` are then not read."""
+        if not kv_stored:
+            self.store_kv(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
@@ -293,13 +299,8 @@ class TritonPagedBackend(AttentionBackend):
         dot_fp32 = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)
         out = torch.empty_like(q)
         head_pad = max(MIN_DOT, _next_pow2(head_dim))  # the inner dimension of q @ k^T
-        if splits > 1:
-            part_out = torch.empty((splits, num_tokens, num_heads, head_pad),
-                                   dtype=torch.float32, device=q.device)
-            part_lse = torch.full((splits, num_tokens, num_heads), float("-inf"),
-                                  dtype=torch.float32, device=q.device)
-        else:
-            part_out = part_lse = out  # unused
+        part_out, part_lse = split_buffers(splits, num_tokens, num_heads, head_pad, q.device) \
+            if splits > 1 else (out, out)  # unused without splits
         k_scale = k_cache.view(torch.float16) if fmt else k_cache
         v_scale = v_cache.view(torch.float16) if fmt else v_cache
         tables = meta.block_tables
@@ -318,6 +319,17 @@ class TritonPagedBackend(AttentionBackend):
                 part_out, part_lse, out, num_tokens, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                 HEAD_PAD=head_pad, NUM_SPLITS=splits)
         return out
+
+
+def split_buffers(splits: int, num_tokens: int, num_heads: int, head_pad: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' partial outputs and log-sum-exps, uninitialised (no fill kernel): every
+    (split, token, head) of a real token is written, since each token lies in a tile whose
+    programs all run, and a split without keys writes an lse of -inf."""
+    part_out = torch.empty((splits, num_tokens, num_heads, head_pad), dtype=torch.float32,
+                           device=device)
+    part_lse = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=device)
+    return part_out, part_lse
 
 
 def num_splits(num_tiles: int) -> int:

@@ -170,9 +170,14 @@ class RMSNorm(nn.Module):
         self.weight = empty_param(size)
         self.eps = eps
         self.cpu_ops = None  # set by the loader when the CPU kernels are in use
+        self.gpu_ops = None  # the fused Triton kernels (kernels/triton_fused.py), by the loader
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise ``x`` (or ``x + residual``, returning the sum as the new residual)."""
+        gpu = self.gpu_ops
+        if gpu is not None and x.dim() == 2 and gpu.takes(x):  # one kernel, add included
+            out, res = gpu.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, res)
         ops = fused_ops(x, self.cpu_ops)
         if ops is not None:  # the kernel takes (tokens, size): e.g. Qwen3's per-head q/k norm
             shape = x.shape  # is (tokens, heads, head_dim)

@@ -40,12 +40,32 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
         self.cpu_ops = None  # set by the loader when the CPU kernels are in use
+        # the fused Triton kernels (kernels/triton_fused.py), set by the loader where they
+        # apply: the backend is then Triton's, told when the K/V are stored already
+        self.gpu_ops = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n = h.shape[0]
-        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(h)  # (num_tokens, (heads + 2 * kv_heads) * head_dim)
+        gpu = self.gpu_ops
+        if gpu is not None and self.q_norm is None and gpu.takes(qkv):
+            # RoPE and the K/V write in one kernel (a quantized cache: the backend stores)
+            q, k, v, stored = gpu.rope_qkv(qkv, rope, self.num_heads, self.num_kv_heads,
+                                           kv_cache, meta.slot_mapping)
+            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window,
+                                     kv_stored=stored)
+        else:
+            q, k, v = self._rotated_qkv(qkv, rope)
+            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
+        out = self.o_proj(o.reshape(n, -1))
+        return out if self.comm is None else self.comm.all_reduce(out)
+
+    def _rotated_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k (q/k-normed where the model does) with RoPE applied, and v."""
+        n = qkv.shape[0]
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.q_norm is None:
             # q and k heads rotated together: one RoPE pass instead of two
             qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d), rope,
@@ -56,9 +76,7 @@ class LlamaAttention(nn.Module):
             q = apply_rope(self.q_norm(q.view(n, heads, d)), rope)
             k = apply_rope(self.k_norm(k.view(n, kv_heads, d)), rope)
         v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
-        out = self.o_proj(o.reshape(n, -1))
-        return out if self.comm is None else self.comm.all_reduce(out)
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -69,13 +87,20 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ShardedLinear(cfg.hidden_size, {0: size, 1: size}, bias=cfg.mlp_bias)
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.cpu_ops = None  # set by the loader when the CPU kernels are in use
+        self.gpu_ops = None  # the fused Triton kernels (kernels/triton_fused.py), by the loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
         if not self.gate_up_proj.kernel.applies_silu:  # else done in the GEMM's epilogue
-            h = silu_and_mul(h, self.cpu_ops)
+            h = self._silu_and_mul(h)
         out = self.down_proj(h)
         return out if self.comm is None else self.comm.all_reduce(out)
+
+    def _silu_and_mul(self, h: torch.Tensor) -> torch.Tensor:
+        gpu = self.gpu_ops
+        if gpu is not None and h.dim() == 2 and gpu.takes(h):
+            return gpu.silu_and_mul(h)
+        return silu_and_mul(h, self.cpu_ops)
 
 
 class LlamaDecoderLayer(nn.Module):

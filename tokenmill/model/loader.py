@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from tokenmill.model.registry import model_class
 from tokenmill.model.sharding import rank_slice, stage_name
 from tokenmill.model_source import ModelSource, resolve_model
 from tokenmill.platform import Machine
+
+if TYPE_CHECKING:
+    from tokenmill.kernels.triton_fused import FusedOps
 
 log = logging.getLogger("tokenmill.model")
 
@@ -81,7 +85,30 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     load_weights(module, weights, str(source.path))
     loaded = LoadedModel(module, local, source, plan=plan, position=position)
     build_linears(loaded, ops)
+    use_gpu_ops(module, fused_gpu_ops(module, device, backend))
     return loaded
+
+
+def fused_gpu_ops(module: nn.Module, device: str, backend: AttentionBackend
+                  ) -> FusedOps | None:
+    """The fused Triton kernels of a decoder layer (``kernels/triton_fused.py``) for the Llama
+    family on a GPU under the Triton attention backend (which is told when the fused RoPE
+    kernel stored the K/V already); None elsewhere."""
+    from tokenmill.model.llama import LlamaForCausalLM
+
+    if (not str(device).startswith("cuda") or getattr(backend, "name", None) != "triton"
+            or type(module) is not LlamaForCausalLM):
+        return None
+    from tokenmill.kernels.triton_fused import FusedOps
+
+    return FusedOps()
+
+
+def use_gpu_ops(module: nn.Module, ops: FusedOps | None) -> None:
+    """Hand ``ops`` (a ``FusedOps``, or None: PyTorch's) to every module that takes them."""
+    for layer in module.modules():
+        if hasattr(layer, "gpu_ops"):
+            layer.gpu_ops = ops
 
 
 def _machine(device: str, ops, quantization: str) -> Machine:
