@@ -4,6 +4,7 @@ lora_request=)``; embeddings and scores with ``embed``, ``score`` and ``encode``
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,6 +38,9 @@ class LLM:
         if engine is not None and options:
             raise TypeError(f"give engine options or an engine, not both: {sorted(options)}")
         self.engine = engine or LLMEngine.from_config(EngineConfig.from_options(model, **options))
+        # the ~190k objects loading leaves live for good: out of the collector's full passes,
+        # which otherwise cost a step at 1,024 sequences ~8 ms on average
+        gc.freeze()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -35,6 +35,11 @@ class RequestState:
         self.seqs = {s.request_id: SeqText(IncrementalDetokenizer(
             tokenizer, params.skip_special_tokens, context_ids=prompt_token_ids[-4:]))
             for s in sequences}
+        # Neither stop strings nor logprobs: a token needs only its text (the hot path of a
+        # large batch, run per sequence per step).
+        self._plain = not params.stop and params.logprobs is None
+        # n > 1 outputs list the sequences by index; one sequence needs no sort per step.
+        self._ordered = sorted(sequences, key=lambda s: s.seq_index)
 
     def on_tokens(self, seq: Request, token_ids: list[int],
                   logprobs: Sequence[object | None] | None) -> tuple[str, int] | None:
@@ -42,6 +47,13 @@ class RequestState:
         None). Returns ``(stop string, tokens kept)`` when a stop string ends the sequence:
         the tokens after the one that completed it are not part of the output."""
         st = self.seqs[seq.request_id]
+        if self._plain and token_ids:
+            add = st.detok.add
+            st.text += add(token_ids[0]) if len(token_ids) == 1 \
+                else "".join([add(t) for t in token_ids])
+            if seq.status.is_finished:
+                st.text += st.detok.finish()
+            return None
         for i, token_id in enumerate(token_ids):
             before = len(st.text)
             st.text += st.detok.add(token_id)
@@ -85,14 +97,17 @@ class RequestState:
 
     def output(self) -> RequestOutput:
         outs = []
-        for seq in sorted(self.sequences, key=lambda s: s.seq_index):
+        finished = True
+        with_logprobs = self.params.logprobs is not None
+        for seq in self._ordered:
             st = self.seqs[seq.request_id]
-            logprobs = list(st.logprobs) if self.params.logprobs is not None else None
+            reason = seq.finish_reason
+            finished = finished and reason is not None
+            text = st.text if self._plain else self._visible(seq, st)
+            logprobs = list(st.logprobs) if with_logprobs else None
             outs.append(CompletionOutput(
-                seq.seq_index, list(seq.output_token_ids), self._visible(seq, st),
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=logprobs,
-                cumulative_logprob=st.cumulative_logprob if logprobs is not None else None))
-        finished = all(s.is_finished for s in self.sequences)
+                seq.seq_index, list(seq.output_token_ids), text, reason, seq.stop_reason,
+                logprobs, st.cumulative_logprob if with_logprobs else None))
         lead = self.sequences[0]
         return RequestOutput(self.request_id, self.prompt_token_ids, outs, finished=finished,
                              prompt=self.prompt, num_cached_tokens=lead.num_cached_tokens or 0,

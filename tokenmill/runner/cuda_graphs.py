@@ -7,9 +7,10 @@ of 0 (they read nothing and come out as zeros), and their logits are dropped. Pr
 speculative verification and anything above the largest bucket run eagerly.
 
 The inputs live in device tensors allocated once (``StepBuffers``): per step the host fills one
-pinned staging tensor and copies it with a single non-blocking transfer; a block table row is
-copied only up to the longest table of the step (the kernel never reads past a sequence's
-length). All buckets share one memory pool, captured largest first. The model's attention
+pinned staging tensor (numpy over the step's columns, no loop per sequence; two staging sets in
+turn, so a fill never overwrites a copy still queued) and copies it with a single non-blocking
+transfer; a block table row is copied only up to the longest table of the step (the kernel
+never reads past a sequence's length). All buckets share one memory pool, captured largest first. The model's attention
 backend must read only device tensors and shapes of its metadata (``TritonPagedBackend`` does).
 """
 
@@ -20,11 +21,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.runner.batch import SeqChunk
+from tokenmill.runner.batch import SeqChunk, padded_tables
 from tokenmill.util import cdiv
 
 log = logging.getLogger("tokenmill.runner")
@@ -57,8 +59,14 @@ class StepBuffers:
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(rows, max_blocks, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
-        self._staging = torch.zeros(len(self.FIELDS), rows, dtype=torch.int64, pin_memory=pin)
-        self._tables = torch.zeros(rows, max_blocks, dtype=torch.int64, pin_memory=pin)
+        # Two staging sets, used in turn: the host fills one while the other's non-blocking
+        # copy may still be queued behind a running step (overlapped scheduling).
+        self._staging = [torch.zeros(len(self.FIELDS), rows, dtype=torch.int64, pin_memory=pin)
+                         for _ in range(2)]
+        self._tables = [torch.zeros(rows, max_blocks, dtype=torch.int64, pin_memory=pin)
+                        for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each set's last copy
+        self._turn = 0
         self.slot_mapping.fill_(-1)
 
     def fill(self, chunks: Sequence[SeqChunk], padded: int, block_size: int) -> None:
@@ -70,21 +78,26 @@ class StepBuffers:
         width = max(len(c.block_table) for c in chunks)
         if width > self.max_blocks:
             raise ValueError(f"a block table of {width} blocks exceeds {self.max_blocks}")
-        ids, pos, slots, lens = ([0] * self.rows for _ in range(4))
-        tables = []
-        for i, c in enumerate(chunks):
-            p = c.start_pos
-            ids[i], pos[i], lens[i] = c.token_ids[0], p, p + 1
-            slots[i] = c.block_table[p // block_size] * block_size + p % block_size
-            tables.append([*c.block_table, *[0] * (width - len(c.block_table))])
-        for i in range(n, self.rows):
-            slots[i] = -1
+        turn = self._turn
+        self._turn ^= 1
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # that set's copy is done: its memory is free
+        staging, stage = self._staging[turn].numpy(), self._tables[turn][:n, :width]
+        tables = padded_tables([c.block_table for c in chunks], width)  # (n, width)
+        pos = np.array([c.start_pos for c in chunks], dtype=np.int64)
+        staging[0, :n] = [c.token_ids[0] for c in chunks]
+        staging[1, :n] = pos
+        staging[2, :n] = tables[np.arange(n), pos // block_size] * block_size + pos % block_size
+        staging[3, :n] = pos + 1
+        staging[:, n:] = 0
+        staging[2, n:] = -1
+        stage.numpy()[:] = tables
         # all rows every time (a few KiB, one contiguous copy); only the step's table columns
-        self._staging.copy_(torch.tensor([ids, pos, slots, lens], dtype=torch.int64))
-        self.flat.copy_(self._staging, non_blocking=True)
-        stage = self._tables[:n, :width]
-        stage.copy_(torch.tensor(tables, dtype=torch.int64))
+        self.flat.copy_(self._staging[turn], non_blocking=True)
         self.block_tables[:n, :width].copy_(stage, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
 
     def metadata(self, rows: int, block_size: int) -> AttentionMetadata:
         """Views of the first ``rows`` rows as a pure-decode batch's metadata (the host lists

@@ -112,7 +112,7 @@ class LogitBias(LogitsProcessor):
                    for token_id, bias in r.params.logit_bias.items() if token_id < vocab]
         if entries:
             at, ids, values = zip(*entries)
-            bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+            bias = host_to_device(values, logits.dtype, logits.device)
             logits.index_put_((_long(at, logits), _long(ids, logits)), bias, accumulate=True)
         return logits
 
@@ -256,7 +256,8 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.d
     counts = torch.zeros(len(token_ids), vocab + 1, dtype=dtype, device=device)
     padded = _padded_ids(token_ids, vocab)
     if padded is not None:
-        padded = padded.to(device)
+        padded = padded.to(device) if device.type == "cpu" else \
+            padded.pin_memory().to(device, non_blocking=True)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=dtype))
     return counts[:, :vocab]
 
@@ -424,9 +425,20 @@ def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
 # --- small tensor helpers ------------------------------------------------------------------
 
 def _long(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=like.device)
+    return host_to_device(values, torch.long, like.device)
 
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     """(rows, 1) tensor that broadcasts one value per row across the vocab."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(-1)
+    return host_to_device(values, like.dtype, like.device).unsqueeze(-1)
+
+
+def host_to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without a host sync: a plain
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and waits for the
+    stream, i.e. for the forward still running; a pinned copy is queued behind it instead."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -22,6 +22,11 @@ rows took their argmax, on the sampled rows gathered once. The caller's logits t
 it is copied once, just before the first processor that applies (a plain greedy batch is a
 single argmax, with no copy).
 
+Host syncs: one per step, the copy of the sampled ids (with the logprob table appended, as
+float64, where rows ask for logprobs) to the host. ``launch`` queues everything up to that
+copy and returns; ``PendingSample.result()`` waits for it (``__call__`` is both). Index and
+seed tensors reach the device through pinned memory, never by a blocking copy.
+
 A row is one position to sample: usually one per sequence, but speculative verification scores
 several positions of one sequence in one step (same ``seq_id``, each with its own output prefix).
 
@@ -57,7 +62,7 @@ import torch
 from tokenmill.runner.logits_processors import (  # noqa: F401  (re-exported: one import site)
     GrammarMask, LogitBias, LogitsProcessor, MinP, MinTokens, Penalties, Temperature, TopKTopP,
     apply_min_p, apply_penalties, apply_temperature, apply_top_k_top_p, default_processors,
-    process_logits, token_counts, unpack_bitmask)
+    host_to_device, process_logits, token_counts, unpack_bitmask)
 from tokenmill.runner.rows import SamplingRow  # noqa: F401  (re-exported, as above)
 
 _U64 = (1 << 64) - 1  # torch.Generator.manual_seed takes seeds modulo 2**64
@@ -80,6 +85,27 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+@dataclass
+class PendingSample:
+    """A step's sampled ids (followed by ``logprob_table`` where rows asked for logprobs) on
+    their way to the host; ``done`` marks the copy's end on a GPU (None: already there)."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    num_top: list[int | None]  # per row: params.logprobs
+    wanted: list[int]  # rows with logprobs
+
+    def result(self) -> SamplerOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        values = self.host.tolist()
+        n = len(self.num_top)
+        if not self.wanted:
+            return SamplerOutput(values, [None] * n)
+        return SamplerOutput([int(t) for t in values[:n]],
+                             logprob_entries(values[n:], self.num_top, self.wanted))
 
 
 class Sampler:
@@ -107,17 +133,33 @@ class Sampler:
         """``logits``: (len(rows), vocab), one row per position, left unmodified unless
         ``owned`` (the caller gives them up: with no row asking for logprobs, which read the
         raw logits, the processors then work in place instead of on a copy)."""
+        return self.launch(logits, rows, owned).result()
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               owned: bool = False) -> PendingSample:
+        """``__call__`` in two halves: queue the sampling and the one copy of its result to
+        the host, and return at once; ``result()`` waits for it (a CPU has nothing to wait
+        for). Until then the host may prepare the next step while the device works."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+        num_top = [r.params.logprobs for r in rows]
+        wanted = [i for i, n in enumerate(num_top) if n is not None]
         if not rows:
-            return SamplerOutput([], [])
-        writable = (owned or logits.dtype != torch.float32) \
-            and all(r.params.logprobs is None for r in rows)
+            return PendingSample(torch.empty(0, dtype=torch.int64), None, num_top, wanted)
+        writable = (owned or logits.dtype != torch.float32) and not wanted
         logits = logits.float()
         x = process_logits(logits, rows, self._all_rows, owned=writable)
-        tokens = self._choose(x, rows, owned=writable or x is not logits)
-        logprobs = compute_logprobs(logits, tokens, [r.params.logprobs for r in rows])
-        return SamplerOutput(tokens.tolist(), logprobs)
+        out = self._choose(x, rows, owned=writable or x is not logits)
+        if wanted:  # the ids and the logprob table travel together, as float64 (exact)
+            table = logprob_table(logits, out, num_top, wanted)
+            out = torch.cat([out.double(), table.flatten()])
+        if out.device.type == "cpu":
+            return PendingSample(out, None, num_top, wanted)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)  # the step's one device -> host transfer
+        done = torch.cuda.Event()
+        done.record()
+        return PendingSample(host, done, num_top, wanted)
 
     def draft(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
               owned: bool = False) -> tuple[list[int], list[torch.Tensor | None]]:
@@ -132,7 +174,7 @@ class Sampler:
         probs: list[torch.Tensor | None] = [None] * len(rows)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
-            idx = torch.tensor(sampled, device=x.device)
+            idx = host_to_device(sampled, torch.int64, x.device)
             sub = [rows[i] for i in sampled]
             q = process_logits(x[idx], sub, self._sampled_rows, owned=True).softmax(dim=-1)
             tokens[idx] = (q / self._noise(q, sub, DRAFT)).argmax(dim=-1)
@@ -150,7 +192,7 @@ class Sampler:
         if len(sampled) == len(rows):
             return self._sample(x, rows, owned)
         tokens = x.argmax(dim=-1)
-        idx = torch.tensor(sampled, device=x.device)
+        idx = host_to_device(sampled, torch.int64, x.device)
         tokens[idx] = self._sample(x[idx], [rows[i] for i in sampled], owned=True)
         return tokens
 
@@ -160,17 +202,19 @@ class Sampler:
         x = process_logits(x, rows, self._sampled_rows, owned)
         probs = x.softmax(dim=-1)
         verify = [i for i, r in enumerate(rows) if r.draft_probs is not None]
-        p_verify = probs[verify] if verify else None  # before the draw below overwrites probs
+        if verify:  # an index tensor made here, not by torch from the list: that one syncs
+            verify_idx = host_to_device(verify, torch.int64, probs.device)
+            p_verify = probs[verify_idx]  # before the draw below overwrites probs
         # argmax(p / q) with q ~ Exp(1) is a draw from p (the exponential race), with no sync.
         tokens = probs.div_(self._noise(probs, rows, SAMPLE)).argmax(dim=-1)
         if verify:
-            tokens[verify] = self._verify(p_verify, [rows[i] for i in verify])
+            tokens[verify_idx] = self._verify(p_verify, [rows[i] for i in verify])
         return tokens
 
     def _verify(self, p: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The rejection rule for rows whose draft came with its distribution q."""
         q = torch.stack([r.draft_probs.to(p.device, torch.float32) for r in rows])
-        drafts = torch.tensor([r.draft_token for r in rows], device=p.device)
+        drafts = host_to_device([r.draft_token for r in rows], torch.int64, p.device)
         p_d = p.gather(-1, drafts[:, None]).squeeze(-1)
         q_d = q.gather(-1, drafts[:, None]).squeeze(-1)
         u = self._noise(p[:, :1], rows, ACCEPT, uniform=True).squeeze(-1)
@@ -192,11 +236,11 @@ class Sampler:
             fill(q, self._shared_generator(like.device))
         hashed = self._hashed_seeds
         if seeded and (hashed or (hashed is None and like.device.type != "cpu")):
-            seeds = torch.tensor([_signed(position_seed(r.params.seed + r.seq_index,
-                                                        len(r.output_token_ids), stream))
-                                  for _, r in seeded], dtype=torch.int64)
-            u = hashed_uniform(seeds.to(like.device), like.shape[-1])
-            idx = torch.tensor([i for i, _ in seeded], device=like.device)
+            seeds = host_to_device([_signed(position_seed(r.params.seed + r.seq_index,
+                                                          len(r.output_token_ids), stream))
+                                    for _, r in seeded], torch.int64, like.device)
+            u = hashed_uniform(seeds, like.shape[-1])
+            idx = host_to_device([i for i, _ in seeded], torch.int64, like.device)
             q[idx] = u if uniform else u.log_().neg_()
             seeded = []
         for i, row in seeded:
@@ -279,25 +323,41 @@ def compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     """Logprobs of the chosen tokens under the raw model logits (before any processing).
 
     ``num_top[i]`` is row i's ``params.logprobs``: None for no logprobs, else the top-N size.
-    Host syncs are per batch (a few ``tolist``), not per row.
+    One host transfer per batch, none per row.
     """
     wanted = [i for i, n in enumerate(num_top) if n is not None]
-    result: list[TokenLogprobs | None] = [None] * len(num_top)
     if not wanted:
-        return result
-    idx = torch.tensor(wanted, device=raw_logits.device)
+        return [None] * len(num_top)
+    table = logprob_table(raw_logits, token_ids, num_top, wanted)
+    return logprob_entries(table.flatten().tolist(), num_top, wanted)
+
+
+def logprob_table(raw_logits: torch.Tensor, token_ids: torch.Tensor,
+                  num_top: Sequence[int | None], wanted: Sequence[int]) -> torch.Tensor:
+    """(len(wanted), 3 + 2 * max N) float64 on the logits' device, one row per wanted row: the
+    chosen token, its logprob, its rank, the top-N ids, their logprobs (ids, ranks and float32
+    logprobs are all exact in float64, so one tensor carries them to the host at once)."""
+    idx = host_to_device(wanted, torch.int64, raw_logits.device)
     lp = raw_logits[idx].float().log_softmax(dim=-1)  # (wanted, vocab)
     chosen = token_ids[idx].unsqueeze(-1)
     chosen_lp = lp.gather(-1, chosen)
-    ranks = (lp >= chosen_lp).sum(dim=-1)  # vLLM's rank: ties count against the token
+    ranks = (lp >= chosen_lp).sum(dim=-1, keepdim=True)  # vLLM's: ties count against the token
+    top_lp, top_ids = lp.topk(max(num_top[i] for i in wanted), dim=-1)  # most likely first
+    return torch.cat([t.double() for t in (chosen, chosen_lp, ranks, top_ids, top_lp)], dim=-1)
+
+
+def logprob_entries(flat: Sequence[float], num_top: Sequence[int | None],
+                    wanted: Sequence[int]) -> list[TokenLogprobs | None]:
+    """``logprob_table``'s rows, flattened on the host, as one entry per row (None where no
+    logprobs were wanted)."""
+    result: list[TokenLogprobs | None] = [None] * len(num_top)
     max_n = max(num_top[i] for i in wanted)
-    top_lp, top_ids = lp.topk(max_n, dim=-1)  # sorted, most likely first
-    rows = zip(wanted, chosen.squeeze(-1).tolist(), chosen_lp.squeeze(-1).tolist(),
-               ranks.tolist(), top_ids.tolist(), top_lp.tolist())
-    for i, token, logprob, rank, ids, lps in rows:
-        n = num_top[i]
+    width = 3 + 2 * max_n
+    for j, i in enumerate(wanted):
+        row = flat[j * width:(j + 1) * width]
+        ids, lps = [int(t) for t in row[3:3 + max_n]], row[3 + max_n:]
         # equal logprobs (common with bf16 logits) in token id order, the order argmax breaks
         # ties in, so a greedy token is listed first among the tokens tied with it
-        top = sorted(zip(ids, lps), key=lambda pair: (-pair[1], pair[0]))[:n]
-        result[i] = TokenLogprobs(token, logprob, rank, top)
+        top = sorted(zip(ids, lps), key=lambda pair: (-pair[1], pair[0]))[:num_top[i]]
+        result[i] = TokenLogprobs(int(row[0]), row[1], int(row[2]), top)
     return result

@@ -257,14 +257,14 @@ class Scheduler:
             # compute nothing and leave them stuck.
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         start = time.perf_counter()
-        self._step_finished.clear()
         batch = StepBatch(self.config.max_num_batched_tokens)
         self._schedule_running(batch)
         # Blocks were just short for the running set: admitting more would only thrash.
-        if not batch.preempted_ids:
+        if not batch.preempted_ids and self.waiting:  # (steady decode: no pass for nothing)
             self._admit_waiting(batch)
         output = self._build_output(batch)
-        self._fork_shared_prompts(batch)
+        if self._pending_forks:
+            self._fork_shared_prompts(batch)
         self._num_steps += 1
         self._last_step = (output.num_batched_tokens, len(output.scheduled))
         self._overhead_s += time.perf_counter() - start
@@ -287,6 +287,7 @@ class Scheduler:
             raise ValueError("update_from_output() takes the latest schedule() output, once")
         self._unapplied = None
         start = time.perf_counter()
+        self._step_finished.clear()  # not in schedule(): overlap matches stop strings after it
         chunks = output.scheduled
         if self.remote_kv is not None:
             chunks = self.remote_kv.update(kv_output, chunks)

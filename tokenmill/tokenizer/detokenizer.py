@@ -28,6 +28,10 @@ class IncrementalDetokenizer:
         emitted again but shapes the first delta, like the leading space of a SentencePiece word."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # Per token, per sequence, every step: a set to test and a bound method, looked up once.
+        self._skip_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        self._decode_ids = tokenizer.decode
+        self._decode_token = tokenizer.decode_token
         self._ids: list[int] = [i for i in context_ids if not self._skipped(i)][-4:]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -35,12 +39,13 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Feed one token; return the text it completes (may be empty)."""
-        if self._skipped(token_id):
+        if token_id in self._skip_ids:
             # Dropping skipped ids up front equals decode(..., skip_special_tokens=True) over the
             # whole sequence, and keeps them from stalling or widening the window.
             return ""
-        self._ids.append(token_id)
-        new_text = self._decode(self._prefix_offset, len(self._ids))
+        ids = self._ids
+        ids.append(token_id)
+        new_text = self._decode_ids(ids[self._prefix_offset:], False)  # never empty: one added
         if new_text.endswith(REPLACEMENT_CHAR):
             return ""  # an incomplete character: wait for the bytes that finish it
         return self._emit(new_text)
@@ -55,7 +60,10 @@ class IncrementalDetokenizer:
         return self._emit(self._decode(self._prefix_offset, len(self._ids)))
 
     def _emit(self, new_text: str) -> str:
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        start, end = self._prefix_offset, self._read_offset
+        # The window before the new tokens is usually the one token emitted last step.
+        prefix_text = self._decode_token(self._ids[start]) if end - start == 1 \
+            else self._decode(start, end)
         delta = new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._trim()
@@ -77,4 +85,4 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=False)
 
     def _skipped(self, token_id: int) -> bool:
-        return self._skip_special and token_id in self._tokenizer.all_special_ids
+        return token_id in self._skip_ids

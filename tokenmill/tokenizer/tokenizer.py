@@ -57,6 +57,7 @@ class Tokenizer:
         self.chat_templates: dict[str, str] = _as_named_templates(chat_template)
         added = backend.get_added_tokens_decoder()
         self.all_special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._token_texts: dict[int, str] = {}  # decode_token's memo: at most the vocabulary
 
     # -- construction -----------------------------------------------------------------------
 
@@ -141,7 +142,17 @@ class Tokenizer:
         return encoding.ids, encoding.type_ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        # the detokenizer passes lists, once per token per sequence: no copy of those
+        return self._backend.decode(ids if type(ids) is list else list(ids),
+                                    skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int) -> str:
+        """``decode([token_id], skip_special_tokens=False)``, remembered: the incremental
+        detokenizer decodes most tokens alone once per step of every sequence."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], False)
+        return text
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         """The vocabulary strings of ``ids`` (None for an id outside the vocabulary)."""
