@@ -118,6 +118,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     policy: str = "fcfs"  # "fcfs" | "priority" | "lpm" (longest cached prefix first)
+    # overlap: schedule and launch step N+1 before step N's detokenization and outputs
+    # (engine/overlap.py); the same outputs token for token
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

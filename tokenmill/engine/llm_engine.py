@@ -1,4 +1,5 @@
-"""LLMEngine: the step loop. One step = propose -> schedule -> forward + sample -> update -> outputs.
+"""LLMEngine: the step loop. One step = propose -> schedule -> forward + sample -> update -> outputs;
+with ``async_scheduling`` the outputs are built while the next step runs (``engine/overlap.py``).
 
 The engine is built from parts: a ``Scheduler`` (which tokens run, the KV blocks), an
 ``Executor`` (runs each ``SchedulerOutput`` on the model's workers; ``executor/``), a
@@ -23,9 +24,12 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.engine.info import EngineInfo, EngineStats, StepInfo
 from tokenmill.engine.loras import LoRALike, LoRARegistry
 from tokenmill.engine.output_state import RequestState
+from tokenmill.engine.overlap import InFlight, OverlappedSteps
 from tokenmill.engine.pooling_requests import PoolingPrompt, PoolingSetup, attach_pooled
 from tokenmill.engine.proposer import DraftProposer
-from tokenmill.engine.step_state import StepState, undelivered_kv
+from tokenmill.engine.step_state import (MAX_BLAMELESS_FAILURES, BlamelessFailures,  # noqa: F401
+                                         EngineDeadError, StepState, touched_requests,
+                                         undelivered_kv)
 from tokenmill.errors import LoRALoadError
 from tokenmill.executor.base import ExecutorError
 from tokenmill.params import PoolingParams, SamplingParams
@@ -45,35 +49,28 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tokenmill.engine")
 
-# A failing step fails the requests it touched and the engine goes on, however often that
-# happens (a request that crashes a kernel must not take the server down with it). A failure
-# that touched no request has no one to blame: this many in a row mean the engine itself is
-# broken, and the step raises EngineDeadError.
-MAX_BLAMELESS_FAILURES = 3
-
 # ``LLMEngine.fault_hook``: called at each stage of a step with the callers' ids of the requests
 # in play (tests only: ``engine/faults.py``).
 FaultHook = Callable[[str, Collection[str]], None]
 
 
-class EngineDeadError(RuntimeError):
-    """Steps kept failing with no request to blame: the engine cannot go on."""
-
-
-class LLMEngine:
+class LLMEngine(OverlappedSteps):
     """Synchronous engine: ``add_request`` any time, call ``step`` until nothing is left.
 
     ``seed``: requests without a seed of their own sample with one derived from it and their
     arrival order, so the same requests in the same order give the same text however they are
     batched; None leaves them nondeterministic. ``lora``: the adapters' limits (None: the
     engine serves none); ``served_model_name``: the base model's name, which no adapter takes.
+    ``async_scheduling``: launch each step before the last one's outputs are built
+    (``engine/overlap.py``); the outputs are the same.
     """
 
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer,
                  info: EngineInfo, *, proposer: DraftProposer | None = None,
                  structured: StructuredOutputManager | None = None,
                  seed: int | None = None, kv_publisher: KVEventPublisher | None = None,
-                 lora: LoRAConfig | None = None, served_model_name: str | None = None) -> None:
+                 lora: LoRAConfig | None = None, served_model_name: str | None = None,
+                 async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -85,7 +82,7 @@ class LLMEngine:
         self._draft_probs: dict[str, list] = {}  # of the drafts kept for the coming step
         self._requests: dict[str, RequestState] = {}
         self._failures: dict[str, str] = {}  # requests failed since take_failures(): why
-        self._blameless_failures = 0  # failed steps in a row that touched no request
+        self._blameless = BlamelessFailures()
         self._num_added = 0
         self._counters = dict(num_steps=0, num_prompt_tokens_computed=0,
                               num_generated_tokens=0, forward_seconds=0.0, step_seconds=0.0,
@@ -96,6 +93,9 @@ class LLMEngine:
         self.lora_config = lora
         self.loras = LoRARegistry(lora is not None, unload=executor.remove_lora)
         self.served_model_name = served_model_name or info.model
+        self.async_scheduling = async_scheduling
+        self._inflight: InFlight | None = None  # the launched step (async_scheduling)
+        self._needs_plain: set[str] = set()  # requests whose steps run in the plain order
         self.serve(PoolingSetup())
 
     def serve(self, pooling: PoolingSetup) -> None:
@@ -113,6 +113,7 @@ class LLMEngine:
         plan = make_plan(config)
         pooling = PoolingSetup.for_plan(plan, config.task)  # refuses a task before the load
         engine = cls(**vars(build_engine_parts(config, plan)))
+        engine.async_scheduling = config.scheduler.async_scheduling
         engine.serve(pooling)
         return engine
 
@@ -160,6 +161,7 @@ class LLMEngine:
         sequences = self.scheduler.add_request(request)
         if grammar is not None:
             self.structured.attach(sequences, grammar)
+            self._needs_plain.add(request_id)
         self._num_added += 1
         self._requests[request_id] = RequestState(request_id, text, ids, params, sequences,
                                                   self.tokenizer)
@@ -172,6 +174,7 @@ class LLMEngine:
         self._requests[request_id] = RequestState(
             request_id, text, request.prompt_token_ids, request.sampling_params,
             self.scheduler.add_request(request), self.tokenizer)
+        self._needs_plain.add(request_id)
 
     # ----- LoRA adapters (engine/loras.py) ----------------------------------------------------
 
@@ -196,6 +199,7 @@ class LLMEngine:
         """A request left ``_requests``: an adapter removed while it ran may go now."""
         if state is not None:
             self.loras.release(state.sequences[0].lora)
+            self._needs_plain.discard(state.request_id)
 
     def _check_kv_transfer(self, kv_params: Mapping[str, Any], params: SamplingParams) -> None:
         from tokenmill.kv_transfer.pd import check_kv_transfer_params
@@ -247,8 +251,10 @@ class LLMEngine:
 
     def has_pending_work(self) -> bool:
         """Unfinished requests, or KV still moving for finished ones (a producer's blocks
-        waiting to be pulled, loads to be reported): the loop keeps stepping for either."""
-        return bool(self._requests) or self.scheduler.has_pending_kv_work
+        waiting to be pulled, loads to be reported), or a launched step: the loop keeps
+        stepping for any."""
+        return bool(self._requests) or self.scheduler.has_pending_kv_work \
+            or self._inflight is not None
 
     def current_output(self, request_id: str) -> RequestOutput | None:
         """What an unfinished request has produced so far (nothing, while it waits)."""
@@ -285,13 +291,7 @@ class LLMEngine:
 
     def _count_failure(self, blamed: bool, error: Exception) -> None:
         self._counters["num_failed_steps"] += 1
-        if blamed:
-            return
-        self._blameless_failures += 1
-        if self._blameless_failures >= MAX_BLAMELESS_FAILURES:
-            raise EngineDeadError(
-                f"{self._blameless_failures} steps in a row failed with no request to blame, "
-                f"the last with {type(error).__name__}: {error}") from error
+        self._blameless.count(blamed, error)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -335,6 +335,7 @@ class LLMEngine:
         requests are unfinished, whose cached prefixes are in use."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot flush the prefix cache while requests are running")
+        self._drain()
         flushed = self.scheduler.flush_prefix_cache()
         self._publish_kv_events()
         return flushed
@@ -361,6 +362,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executor's workers (the model and KV cache go with them) and the KV-event
         publisher, after sending what it still holds; idempotent."""
+        self._close_step_thread()
         self.executor.shutdown()
         if self.kv_publisher is not None:
             self._publish_kv_events()
@@ -378,7 +380,10 @@ class LLMEngine:
         ``EngineDeadError``."""
         s = StepState()
         try:
-            outputs = self._step(s)
+            overlap = self._inflight is not None or self._may_overlap()
+            outputs = self._overlap_step(s) if overlap else self._step(s)
+        except EngineDeadError:  # a launch failure's recovery found the engine dead
+            raise
         except Exception as e:
             self._recover(s, e)
             if isinstance(e, ExecutorError):  # a worker is gone: no later step can run
@@ -386,8 +391,8 @@ class LLMEngine:
             return []
         finally:  # a failed step's rollback changed the cache too
             self._publish_kv_events()
-        if s.out.scheduled:  # work done: earlier failures were not the engine's end
-            self._blameless_failures = 0
+        if s.out is not None and s.out.scheduled:  # work done: not the engine's end
+            self._blameless.in_a_row = 0
         return outputs
 
     def _step(self, s: StepState) -> list[RequestOutput]:
@@ -416,6 +421,14 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(out, result.token_ids,
                                                     result.kv_connector_output)
         self._inject("update", s)
+        outputs = self._outputs(s, updates, result)
+        self._account(out, updates, preempted, start)
+        return outputs
+
+    def _outputs(self, s: StepState, updates: list[SeqUpdate],
+                 result: ModelOutput) -> list[RequestOutput]:
+        """The step's text work: detokenize, match stop strings, build the outputs; finished
+        requests leave."""
         outputs = self._process(updates, result.logprobs)
         attach_pooled(outputs, getattr(result, "pooled", None))
         self._inject("process", s)
@@ -424,6 +437,10 @@ class LLMEngine:
         for output in outputs:  # only now: a failure before this fails them too
             if output.finished:
                 self._end(self._requests.pop(output.request_id))
+        return outputs
+
+    def _account(self, out: SchedulerOutput, updates: list[SeqUpdate], preempted: int,
+                 start: float) -> None:
         new_tokens = sum(len(u.new_token_ids) for u in updates)
         self.last_step = StepInfo(out.num_batched_tokens, new_tokens,
                                   self.scheduler.num_preemptions - preempted,
@@ -431,7 +448,6 @@ class LLMEngine:
         self._counters["num_generated_tokens"] += new_tokens
         self._counters["num_steps"] += 1
         self._counters["step_seconds"] += time.perf_counter() - start
-        return outputs
 
     def _forget(self, seq_ids: list[str]) -> None:
         """Ended sequences: the proposer drops what it keeps for them (a drafter's blocks)."""
@@ -442,38 +458,14 @@ class LLMEngine:
         """The fault hook (tests only; nothing when unset), with the callers' ids of the
         requests in play: every unfinished one at the start, then those the stage touches."""
         if self.fault_hook is not None:
-            in_play = set(self._requests) if s.stage == "step" else self._touched(s)
+            in_play = set(self._requests) if s.stage == "step" else \
+                touched_requests(s, self.scheduler, self._requests.values())
             self.fault_hook(stage, in_play)
-
-    def _touched(self, s: StepState) -> set[str]:
-        """The requests (callers' ids) a step that fails now may have left half-changed."""
-        if s.out is not None:  # schedule() returned: the requests it scheduled
-            return {c.request.group_id for c in s.out.scheduled}
-        if s.stage == "schedule":  # schedule() raised: the step it half built is lost
-            return self._unsettled()
-        if s.stage == "propose":  # drafts (and grammar state) of every running sequence
-            return {r.group_id for r in self.scheduler.running}
-        return set()
-
-    def _unsettled(self) -> set[str]:
-        """After schedule() raised: every request with a sequence it may have advanced or
-        given blocks (running, holding blocks, or with computed tokens). Waiting sequences
-        without any are as they were, and wait on."""
-        owners = set(self.scheduler.block_manager.owners())
-
-        def unsettled(seq: Request) -> bool:
-            if seq.is_finished:
-                return False
-            return seq.status is RequestStatus.RUNNING or bool(seq.num_computed_tokens) \
-                or seq.request_id in owners
-
-        return {state.request_id for state in self._requests.values()
-                if any(unsettled(seq) for seq in state.sequences)}
 
     def _recover(self, s: StepState, error: Exception) -> None:
         """After a step raised: fail the requests it touched, have the scheduler take the step
         back (their blocks are freed, none cached), and count a failure that blamed nobody."""
-        touched = self._touched(s)
+        touched = touched_requests(s, self.scheduler, self._requests.values())
         logger.error("an engine step failed (%s); failing the %d requests it touched: %s",
                      s.stage if s.out is None else "after schedule", len(touched),
                      sorted(touched)[:8], exc_info=error)
@@ -521,10 +513,13 @@ class LLMEngine:
         self._inject("sample", s)
         seconds = time.perf_counter() - start
         self._counters["forward_seconds"] += seconds
+        self._count_prompt_tokens(out)
+        return result, seconds
+
+    def _count_prompt_tokens(self, out: SchedulerOutput) -> None:
         self._counters["num_prompt_tokens_computed"] += sum(
             min(c.num_tokens, max(0, c.request.num_prompt_tokens - c.start_pos))
             for c in out.scheduled)
-        return result, seconds
 
     def _execute(self, out: SchedulerOutput, masks: PendingMasks | None) -> ModelOutput:
         """The executor's forward. Adapters it could not load (``LoRALoadError``: their files
@@ -532,6 +527,8 @@ class LLMEngine:
         chunks; the KV connector's ops already went out with the first try."""
         while True:
             try:
+                if self.async_scheduling:  # every forward on the step thread (Executor.launch)
+                    return self.executor.launch(out, masks, self._draft_probs or None).result()
                 return self.executor.execute(out, masks, self._draft_probs or None)
             except LoRALoadError as e:
                 kept = self._fail_adapters(e, out.scheduled)
@@ -575,8 +572,7 @@ class LLMEngine:
         if stop is not None:
             text, kept = stop
             dropped = len(update.new_token_ids) - kept
-            self.scheduler.finish_request(seq.request_id, FinishReason.STOP, text,
-                                          seq.num_output_tokens - dropped)
+            self._finish_by_stop_string(seq, text, seq.num_output_tokens - dropped)
         elif seq.grammar is not None and not seq.is_finished:
             self._advance_grammar(seq, update.new_token_ids)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import LoRAError
@@ -35,6 +36,28 @@ class Executor(ABC):
         logits. ``masks`` (structured output) are being filled while the forward runs and are
         applied before sampling; ``draft_probs``: per sequence, the distribution each of its
         drafts was drawn from (None: none), for the rejection rule."""
+
+    def launch(self, out: SchedulerOutput, masks: RowMasks | None = None,
+               draft_probs: Mapping[str, Sequence[object | None]] | None = None
+               ) -> Future[ModelOutput]:
+        """``execute`` on the executor's step thread; returns at once (overlapped scheduling:
+        the engine builds the last step's outputs meanwhile). One step at a time: the caller
+        waits for it before it launches or executes another. An engine that launches runs
+        every step here, so the CPU forward's intra-op threads always serve the same caller."""
+        pool = self.__dict__.get("_step_thread")  # made on first use: no __init__ here
+        if pool is None:
+            pool = self.__dict__["_step_thread"] = ThreadPoolExecutor(
+                1, thread_name_prefix="tokenmill-step", initializer=self.on_step_thread)
+        return pool.submit(self.execute, out, masks, draft_probs)
+
+    def on_step_thread(self) -> None:
+        """Set-up of the step thread, before its first step (the GPU it runs on)."""
+
+    def close_step_thread(self) -> None:
+        """Let the step thread go (after the last launched step was waited for)."""
+        pool = self.__dict__.pop("_step_thread", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     @property
     @abstractmethod

@@ -63,6 +63,14 @@ class UniProcExecutor(Executor):
             wait=0.0 if out.scheduled else IDLE_POLL_SECONDS)
         return result
 
+    def on_step_thread(self) -> None:
+        device = self.worker.device if self.worker is not None else None
+        # the current GPU is per thread ("cuda" alone: the default one, as in the caller's)
+        if device is not None and device.type == "cuda" and device.index is not None:
+            import torch
+
+            torch.cuda.set_device(device)
+
     def kv_connector_info(self) -> dict[str, Any] | None:
         return self._connector_info
 
