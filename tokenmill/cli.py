@@ -11,7 +11,7 @@ import re
 import sys
 import time
 
-from tokenmill.config import DEFAULT_MODEL, KVEventsConfig
+from tokenmill.config import DEFAULT_MODEL, EngineConfig, KVEventsConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.server.tools.parsers import TOOL_PARSERS
 
@@ -84,6 +84,8 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
         action="store_const", const=True,
         help="run every step layer by layer from Python: no CUDA graphs of the decode step "
              "on a GPU, no fused C++ decoder step on a CPU")),
+    ("--async-scheduling", "async_scheduling", dict(action="store_const", const=True, help=(
+        "prepare and launch the next step while this step's text and outputs are built"))),
     ("--num-threads", "num_threads", dict(
         type=int, help="CPU threads of the forward (unset: chosen from the usable cores)")),
     ("--kv-cache-memory", "kv_cache_memory", dict(
@@ -234,8 +236,6 @@ def engine_options(args: argparse.Namespace) -> dict:
     if "kv_cache_memory" in options:  # "4GiB" -> bytes, "2048blocks" -> a block count
         size, blocks = options.pop("kv_cache_memory")
         options.update({"kv_cache_memory": size} if blocks is None else {"num_blocks": blocks})
-    from tokenmill.config import EngineConfig
-
     # Flags that cannot go together fail here, before torch is imported or a model loads.
     EngineConfig.from_options(args.model, **options)
     return options
@@ -331,14 +331,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM (default: 30)")
     p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
-                   help="how the model writes tool calls, parsed from chat output when tools "
-                        "are offered (hermes: <tool_call>{json}</tool_call>, as SmolLM2 and "
-                        "Qwen write them; default: hermes)")
+                   help="how the model writes tool calls when tools are offered (hermes: "
+                        "<tool_call>{json}</tool_call>, as SmolLM2 and Qwen; default: hermes)")
     p.add_argument("--step-timeout", type=float, default=60.0,
                    help="an engine step running longer than this many seconds turns /health "
                         "into 503 (and is logged) until it ends (default: 60)")
     # Tests only, hidden: faults injected into engine steps (tokenmill/engine/faults.py).
     p.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine in a process of its own, apart from HTTP (default: off)")
     from tokenmill.engine.lora_modules import add_lora_args
 
     add_lora_args(p)
@@ -484,7 +485,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     """What ``serve`` would build, decided and printed without loading any weights."""
     import json
 
-    from tokenmill.config import EngineConfig
     from tokenmill.engine.plan import detect_machine, make_plan
     from tokenmill.platform import Machine
 
@@ -509,7 +509,6 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _run_headless(args: argparse.Namespace, options: dict) -> int:
     import logging
 
-    from tokenmill.config import EngineConfig
     from tokenmill.engine.build import run_headless_node
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -547,9 +546,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queued-requests must be >= 1")
     if args.step_timeout <= 0:
         raise ValueError("--step-timeout must be > 0")
-    from tokenmill.engine.faults import FaultPlan
-
-    faults = FaultPlan.parse(args.test_faults) if args.test_faults else None  # tests only
     settings = ServerSettings(
         model_name=args.served_model_name or args.model, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
@@ -558,16 +554,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         public_metrics=args.public_metrics, step_timeout=args.step_timeout,
         allow_runtime_lora=args.allow_runtime_lora or os.environ.get(
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1"))
-    # Loading makes ~190k long-lived objects; collecting as they piled up took ~1 s of start-up
-    # (eight full collections, which found a few hundred objects of garbage among them).
+    if args.engine_process:  # scheduler, model, sampling, detokenization: engine/core_proc.py
+        from tokenmill.engine.core_client import start_core
+
+        return run_server(start_core(args, options, settings.model_name), settings, args.log_level)
+    # Loading makes ~190k long-lived objects: collecting as they piled up took ~1 s of start-up
     gc.disable()
     try:
         engine = _make_llm(args).engine
     finally:
         gc.enable()
-    engine.fault_hook = faults
+    from tokenmill.engine.faults import FaultPlan
     from tokenmill.engine.lora_modules import load_lora_modules
 
+    engine.fault_hook = FaultPlan.parse(args.test_faults) if args.test_faults else None  # tests
     load_lora_modules(engine, settings.model_name, args.lora_modules)
     return run_server(engine, settings, args.log_level)
 

@@ -14,6 +14,9 @@ touched, each stream ending with ``RequestFailedError``, and the loop goes on. T
 only when the engine does (``EngineDeadError``: steps failing with no request to blame) or on
 a bug in the loop itself; every stream then ends with ``EngineUnavailableError`` and
 ``is_alive`` turns False (``/health`` answers 503 and says why, ``error``).
+
+With ``--engine-process`` the engine is ``core_client.EngineCoreClient``: the same surface over
+an engine in another process, whose ``step()`` waits for that process' next outputs.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from tokenmill.structured.spec import StructuredOutputs
 from tokenmill.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from tokenmill.engine.core_client import EngineCoreClient
     from tokenmill.structured.backend import CompiledGrammar
 
 logger = logging.getLogger("tokenmill.engine")
@@ -113,7 +117,8 @@ class RequestStream:
 class AsyncEngine:
     """Wraps an ``LLMEngine``; call ``start()`` from inside the running event loop."""
 
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
+    def __init__(self, engine: LLMEngine | EngineCoreClient,
+                 max_queued_requests: int | None = None,
                  listener: StatsListener | None = None):
         self.engine = engine
         self.max_queued_requests = max_queued_requests
@@ -133,6 +138,9 @@ class AsyncEngine:
         self._step_start = 0.0
         self._in_step = False
         self._loras = tuple(engine.list_loras())  # replaced whole by the loop thread
+        # An engine in another process (engine/core_client.py) has the loop thread wait in
+        # step() for its outputs: a command must end that wait, as it ends the idle one.
+        self._wake: Callable[[], None] | None = getattr(engine, "wake", None)
 
     @property
     def info(self) -> EngineInfo:
@@ -213,6 +221,8 @@ class AsyncEngine:
         with self._cond:
             self._stop = True
             self._cond.notify()
+        if self._wake is not None:
+            self._wake()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5.0)
         if self._thread is None or not self._thread.is_alive():  # no step can run any more
@@ -331,6 +341,8 @@ class AsyncEngine:
                 return
             self._commands.append(command)
             self._cond.notify()
+        if self._wake is not None:
+            self._wake()
 
     # ----- the loop thread --------------------------------------------------------------------
 

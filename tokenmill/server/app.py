@@ -10,6 +10,7 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import uvicorn
@@ -51,6 +52,9 @@ from tokenmill.server.protocol import (
 from tokenmill.server.responses import add_responses_routes
 from tokenmill.server.serving import OpenAIServing
 
+if TYPE_CHECKING:
+    from tokenmill.engine.core_client import EngineCoreClient
+
 logger = logging.getLogger("tokenmill.server")
 
 
@@ -76,8 +80,10 @@ _PUBLIC_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/re
                            "/docs/oauth2-redirect"})
 
 
-def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
-    """An app serving ``engine`` (an ``LLMEngine``); its loop starts with the app's lifespan."""
+def create_app(engine: LLMEngine | EngineCoreClient, settings: ServerSettings) -> FastAPI:
+    """An app serving ``engine``: an ``LLMEngine``, or with ``--engine-process`` the client of
+    one in its own process (``engine/core_client.py``); its loop starts with the app's
+    lifespan."""
     metrics = ServerMetrics(settings.model_name)
     async_engine = AsyncEngine(engine, settings.max_queued_requests, listener=metrics)
     metrics.attach(async_engine)
@@ -272,7 +278,8 @@ def _validation_api_error(e: RequestValidationError) -> APIError:
 
 # ----- running ----------------------------------------------------------------------------------
 
-def run_server(engine, settings: ServerSettings, log_level: str = "info") -> int:
+def run_server(engine: LLMEngine | EngineCoreClient, settings: ServerSettings,
+               log_level: str = "info") -> int:
     """Serve until SIGINT/SIGTERM; running requests get ``shutdown_timeout`` s; returns 0 (1
     when the executor broke: a worker process died or hung)."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
