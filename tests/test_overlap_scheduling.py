@@ -19,6 +19,13 @@ from tokenmill.params import SamplingParams
 from tokenmill.structured.spec import StructuredOutputs
 
 
+def overlapped(**options):
+    """``make_engine``'s engine with overlapped scheduling on."""
+    engine = make_engine(**options)
+    engine.async_scheduling = True
+    return engine
+
+
 def summary(outputs: dict) -> dict:
     """Everything a caller sees of the final outputs, by request id."""
     return {rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob,
@@ -71,8 +78,7 @@ def stop_words() -> dict[int, str]:
 @pytest.mark.parametrize("blocks", [64, 14])  # 14: preemption
 def test_fake_outputs_equal_the_plain_engine(blocks):
     words = stop_words()
-    plain, overlap = make_engine(num_blocks=blocks), make_engine(num_blocks=blocks)
-    overlap.async_scheduling = True
+    plain, overlap = make_engine(num_blocks=blocks), overlapped(num_blocks=blocks)
     expected = step_to_end(plain, fake_requests(words))
     got = step_to_end(overlap, fake_requests(words))
     assert summary(got) == summary(expected)
@@ -100,8 +106,7 @@ def test_fake_stop_string_on_the_last_token_names_the_stop_string():
                                     stop_token_ids=[c.token_ids[4]])
         requests[rid] = (ids, params)
     expected = step_to_end(make_engine(), dict(requests))
-    overlap = make_engine()
-    overlap.async_scheduling = True
+    overlap = overlapped()
     got = step_to_end(overlap, dict(requests))
     assert summary(got) == summary(expected)
     assert all(isinstance(o.outputs[0].stop_reason, str) for o in got.values())
@@ -111,8 +116,7 @@ def test_fake_abort_while_a_step_runs():
     requests = {f"r{i}": (prompt(i), SamplingParams(temperature=0.0, max_tokens=16))
                 for i in range(4)}
     expected = step_to_end(make_engine(), dict(requests))
-    overlap = make_engine()
-    overlap.async_scheduling = True
+    overlap = overlapped()
     got = step_to_end(overlap, dict(requests), abort="r1")
     assert "r1" not in got
     assert summary(got) == {k: v for k, v in summary(expected).items() if k != "r1"}
@@ -121,8 +125,7 @@ def test_fake_abort_while_a_step_runs():
 def test_fake_seeded_n2_equal_the_plain_engine():
     params = SamplingParams(temperature=0.9, max_tokens=9, n=2, seed=5)
     requests = {f"r{i}": (prompt(i), params) for i in range(3)}
-    plain, overlap = make_engine(seed=1), make_engine(seed=1)
-    overlap.async_scheduling = True
+    plain, overlap = make_engine(seed=1), overlapped(seed=1)
     assert summary(step_to_end(overlap, dict(requests))) == \
         summary(step_to_end(plain, dict(requests)))
 
@@ -131,8 +134,7 @@ def test_fake_switches_to_plain_steps_and_back():
     requests = {f"r{i}": (prompt(i), SamplingParams(temperature=0.0, max_tokens=14))
                 for i in range(5)}
     expected = step_to_end(make_engine(), dict(requests))
-    engine = make_engine()
-    engine.async_scheduling = True
+    engine = overlapped()
     for rid, (ids, params) in requests.items():
         engine.add_request(rid, ids, params)
     finals, modes = {}, []
@@ -247,8 +249,7 @@ def run_with_failures(engine) -> tuple[dict, dict]:
                                    "finish", "executor"])
 def test_fake_failures_while_overlapping_fail_only_their_step(stage):
     expected, _ = run_with_failures(make_engine(max_seqs=3))
-    engine = make_engine(max_seqs=3)
-    engine.async_scheduling = True
+    engine = overlapped(max_seqs=3)
     calls = 0
 
     def hook(at: str, request_ids) -> None:
@@ -277,8 +278,7 @@ def test_fake_failures_while_overlapping_fail_only_their_step(stage):
 
 
 def test_shutdown_and_flush_wait_for_the_launched_step():
-    engine = make_engine()
-    engine.async_scheduling = True
+    engine = overlapped()
     engine.add_request("a", prompt(1), SamplingParams(temperature=0.0, max_tokens=30))
     engine.step()
     assert engine._inflight is not None and engine.has_pending_work()
