@@ -281,8 +281,8 @@ def test_registry_returns_a_fresh_parser():
 
 
 def test_registry_unknown_name_lists_known_parsers():
-    with pytest.raises(ValueError, match=r"unknown tool parser 'mistral'.*hermes"):
-        get_tool_parser("mistral")
+    with pytest.raises(ValueError, match=r"unknown tool parser 'gorilla'.*hermes"):
+        get_tool_parser("gorilla")
 
 
 # ---- template_handles_tools ----------------------------------------------------------------
@@ -412,9 +412,9 @@ def test_escaped_lone_surrogate_in_arguments_stays_escaped():
     surrogate could not be sent in a response) and mean the same JSON."""
     from tokenmill.server.tools.parsers import get_tool_parser
 
-    call = get_tool_parser("hermes").make_call(
+    [call] = get_tool_parser("hermes").make_calls(
         '{"name": "f", "arguments": {"a": "\\ud800 é", "b": 1}}')
     call.arguments.encode("utf-8")
     assert json.loads(call.arguments) == {"a": "\ud800 é", "b": 1}
-    plain = get_tool_parser("hermes").make_call('{"name": "f", "arguments": {"a": "é"}}')
+    [plain] = get_tool_parser("hermes").make_calls('{"name": "f", "arguments": {"a": "é"}}')
     assert plain.arguments == '{"a": "é"}'  # non-ASCII text is kept as it is

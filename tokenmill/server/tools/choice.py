@@ -1,17 +1,18 @@
 """Tool choice as a constraint, a grammar of the model family's call syntax
-(``ToolCallParser.call_grammar``) around each offered function's ``parameters`` schema:
+(``ToolCallParser.forced_grammar`` / ``auto_grammar``) around each offered function's
+``parameters`` schema:
 
 - ``required``: the output is one call (or several, with ``parallel_tool_calls``);
 - a named function: the output is one call of it;
 - ``auto``: the text is free, but from the moment the model writes the call marker the call
   must be a valid call of an offered function (llguidance's lazy lexeme ends the free text at
-  the first marker), so a call the model chooses to make always parses;
+  the first marker; families without a marker allow text that does not open like a call, or
+  calls first), so a call the model chooses to make always parses;
 - ``none``: no constraint (the output is not parsed for calls).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,31 +58,23 @@ def check_tool_choice(tools: Sequence[Mapping[str, Any]] | None, tool_choice: An
 def tool_choice_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: Any,
                            parallel_tool_calls: bool, parser: ToolCallParser
                            ) -> StructuredOutputs | None:
-    """The grammar a tool choice puts on the output (None for ``none``); see the module
-    docstring. With ``auto`` and no ``parallel_tool_calls``, text after the first call is free
-    (the parsed reply keeps that one call)."""
+    """The grammar a tool choice puts on the output (None for ``none``), in the family's own
+    syntax (``ToolCallParser.forced_grammar`` / ``auto_grammar``); see the module docstring.
+    With ``auto`` and no ``parallel_tool_calls``, text after the first call is free (the parsed
+    reply keeps that one call)."""
     mode = check_tool_choice(tools, tool_choice)
     if mode == "none":
         return None
     if mode == "named":
         name = function_name(tool_choice)
         tools = [t for t in tools if t["function"]["name"] == name]
-    bodies = [parser.call_schema(t["function"]["name"],
-                                 closed_objects(t["function"].get("parameters") or _ANY_ARGUMENTS))
-              for t in tools]
-    body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
-    body["x-guidance"] = {"whitespace_flexible": False}  # compact, as in json outputs
+    functions = [(t["function"]["name"],
+                  closed_objects(t["function"].get("parameters") or _ANY_ARGUMENTS))
+                 for t in tools]
     if mode == "auto":
-        # Free text up to each marker (lazy: it ends at the first one), a checked call after.
-        grammar = (f"%llguidance {{}}\n"
-                   f"start: call{'*' if parallel_tool_calls else '?'} text\n"
-                   f"text: TEXT\n"
-                   f"TEXT: /(.|\\n)*/\n"
-                   f"marker[lazy]: TEXT {json.dumps(parser.start_marker)}\n"
-                   f"call: marker {parser.after_marker_grammar(body)}\n")
-        return StructuredOutputs(grammar=grammar, param="tools")
-    repeat = ' ("\\n" call)*' if mode == "required" and parallel_tool_calls else ""
-    grammar = f"start: call{repeat}\ncall: {parser.call_grammar(body)}\n"
+        return StructuredOutputs(grammar=parser.auto_grammar(functions, parallel_tool_calls),
+                                 param="tools")
+    grammar = parser.forced_grammar(functions, mode == "required" and parallel_tool_calls)
     return StructuredOutputs(grammar=grammar, param="tool_choice")
 
 

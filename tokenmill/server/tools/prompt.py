@@ -75,8 +75,7 @@ def tool_section(tools: list[dict[str, Any]], parser: ToolCallParser) -> str:
         "You may call the functions described below, one JSON description per line:\n"
         f"<tools>\n{listing}\n</tools>\n\n"
         "To call a function, reply with a block like the following, filling in the name of the "
-        "function and a JSON object of its arguments (write one block per call if you need "
-        f"several):\n{example}\n"
+        f"function and a JSON object of its arguments ({parser.several_calls}):\n{example}\n"
         "The result of each call will be sent back to you inside <tool_response></tool_response> "
         "tags."
     )
@@ -153,8 +152,7 @@ def _tool_result(message: dict[str, Any], i: int) -> str:
 
 
 def _assistant_as_text(message: dict[str, Any], i: int, parser: ToolCallParser) -> dict[str, Any]:
-    parts = [_text(message.get("content"), f"messages[{i}]")]
-    parts += [parser.format_call(name, arguments) for name, arguments in _calls(message, i)]
+    parts = [_text(message.get("content"), f"messages[{i}]"), parser.format_calls(_calls(message, i))]
     rest = {k: v for k, v in message.items() if k != "tool_calls"}
     return {**rest, "content": "\n".join(p for p in parts if p)}
 
