@@ -68,6 +68,7 @@ LAYERS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
          []),
         ("bench", ["config", "tokenizer"], ["torch"]),
         ("router", ["kv_events"], ["torch"]),
+        ("lang", [], ["torch"]),
         ("cli", [ANY], []),
         (TOP, ["config", "engine", "params", "structured"], []),
     ]
