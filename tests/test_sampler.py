@@ -105,8 +105,8 @@ def test_empty_batch() -> None:
 
 def test_default_processor_order_is_the_documented_one() -> None:
     names = [p.name for p in default_processors()]
-    assert names == ["logit_bias", "grammar_mask", "min_tokens", "penalties", "temperature",
-                     "top_k_top_p", "min_p"]
+    assert names == ["logit_bias", "grammar_mask", "min_tokens", "penalties", "thinking_budget",
+                     "temperature", "top_k_top_p", "min_p"]
     assert [p.name for p in Sampler().processors] == names
 
 

@@ -160,8 +160,8 @@ def test_stop_string(client):
 
 
 def test_completion_logprobs_and_echo(server, client):
-    """Logprobs of the generated tokens; echo puts the prompt before them. Both at once are
-    refused until the prompt's own logprobs are computed (never nulls in their place)."""
+    """Logprobs of the generated tokens; echo puts the prompt before them, and with logprobs
+    the prompt tokens' own logprobs before theirs."""
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                   logprobs=2, extra_body={"ignore_eos": True})
     c = r.choices[0]
@@ -175,10 +175,12 @@ def test_completion_logprobs_and_echo(server, client):
     echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                        echo=True, extra_body={"ignore_eos": True})
     assert echoed.choices[0].text == PROMPT + c.text and echoed.choices[0].logprobs is None
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=0,
-                                  echo=True)
-    assert e.value.param == "echo" and "logprobs" in e.value.message
+    # echo with logprobs: the prompt tokens' logprobs (null for the first) before the new ones
+    scored = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=0,
+                                       echo=True, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert scored.token_logprobs[0] is None and None not in scored.token_logprobs[1:]
+    assert scored.tokens[-len(lp.tokens):] == lp.tokens
 
 
 def test_chat_logprobs(client):
@@ -278,7 +280,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "best_of": 1, "n": 2}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": CHAT, "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400,
      "functions"),
     ("/v1/chat/completions", {"messages": CHAT, "modalities": ["audio"]}, 400, "modalities"),
@@ -303,7 +304,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "priority": -5}, 400, "priority"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}},
      400, "stream_options"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/chat/completions", {"messages": [
         {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": ""}},
         *CHAT]}, 400, "messages"),

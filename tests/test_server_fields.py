@@ -247,6 +247,13 @@ def chat_rows() -> list[Row]:
         Row("chat", "tools", [WEATHER_CHAT]),
         Row("chat", "tool_choice", "required", base={"tools": [WEATHER_CHAT]}),
         Row("chat", "parallel_tool_calls", False, base=calls),
+        # this server has no --reasoning-parser: no reasoning to leave out or to cut short
+        Row("chat", "include_reasoning", False, refused),
+        Row("chat", "thinking_token_budget", 10, refused),
+        Row("chat", "continue_final_message", True,
+            base={"messages": [{"role": "user", "content": "Name three colors."},
+                               {"role": "assistant", "content": "1. Red"}],
+                  "add_generation_prompt": False}),
         Row("chat", "stream_options", {"include_usage": True}, base={"stream": True}),
         Row("chat", "response_format",
             {**SCHEMA_FORMAT, "json_schema": {**strict["json_schema"], "strict": False}},
@@ -262,8 +269,10 @@ def completion_rows() -> list[Row]:
         Row("completions", "max_tokens", 2),
         Row("completions", "logprobs", 2),
         Row("completions", "echo", True),
-        # until the prompt's logprobs are computed (never nulls in their place)
-        Row("completions", "echo", True, refused, base={"logprobs": 1}),
+        # the prompt tokens' logprobs, then the generated ones' (test_prompt_logprobs.py)
+        Row("completions", "echo", True, base={"logprobs": 1}),
+        Row("completions", "prompt_logprobs", 1),
+        Row("chat", "prompt_logprobs", 1),
         Row("completions", "suffix", " the end.", refused),  # SmolLM2 has no FIM tokens
         Row("completions", "best_of", 3, refused),
         Row("completions", "kv_transfer_params", {"do_remote_decode": True}, refused),

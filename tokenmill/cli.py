@@ -13,6 +13,7 @@ import time
 
 from tokenmill.config import DEFAULT_MODEL, EngineConfig, KVEventsConfig
 from tokenmill.errors import TokenmillError
+from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools.parsers import TOOL_PARSERS
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -320,26 +321,24 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the MODEL argument)")
     p.add_argument("--api-key", default=None,
-                   help="require Authorization: Bearer KEY on every route but /health, "
-                        "/version and the API docs (default: env TOKENMILL_API_KEY, else no "
-                        "key)")
+                   help="require Authorization: Bearer KEY on every route but /health, /version "
+                        "and the API docs (default: env TOKENMILL_API_KEY, else none)")
     p.add_argument("--public-metrics", action="store_true",
                    help="serve /metrics without the API key (for a scraper that has none)")
     p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="answer 503 + Retry-After when this many requests are waiting "
-                        "(default: unbounded)")
+                   help="503 + Retry-After past this many waiting requests (default: none)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM (default: 30)")
     p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls when tools are offered (hermes: "
                         "<tool_call>{json}</tool_call>, as SmolLM2 and Qwen; default: hermes)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), help="the model's "
+                   "thinking tags: chat gets message.reasoning, responses reasoning items")
     p.add_argument("--step-timeout", type=float, default=60.0,
-                   help="an engine step running longer than this many seconds turns /health "
-                        "into 503 (and is logged) until it ends (default: 60)")
-    # Tests only, hidden: faults injected into engine steps (tokenmill/engine/faults.py).
-    p.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)
+                   help="a step running longer turns /health into 503 until it ends (default: 60)")
+    p.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)  # engine/faults.py
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
-                   help="run the engine in a process of its own, apart from HTTP (default: off)")
+                   help="the engine in a process of its own, apart from HTTP (default: off)")
     from tokenmill.engine.lora_modules import add_lora_args
 
     add_lora_args(p)
@@ -551,6 +550,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser, limits=_limits(args),
+        reasoning_parser=args.reasoning_parser,
         public_metrics=args.public_metrics, step_timeout=args.step_timeout,
         allow_runtime_lora=args.allow_runtime_lora or os.environ.get(
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1"))

@@ -43,6 +43,27 @@ def _is_int(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """At most ``tokens`` tokens of reasoning, then the closing tag ``end_ids`` is forced
+    (``thinking_token_budget``; ``runner/logits_processors.py``'s ``ThinkingBudgetCap``).
+    Reasoning starts at the output's start (``starts_open``: the prompt opened it) or after the
+    first ``start_ids`` in the output."""
+
+    tokens: int
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    starts_open: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "start_ids", tuple(self.start_ids))
+        object.__setattr__(self, "end_ids", tuple(self.end_ids))
+        _require(_is_int(self.tokens) and self.tokens >= 0, "thinking_token_budget",
+                 "must be an integer >= 0", self.tokens)
+        _require(len(self.end_ids) > 0, "thinking_token_budget",
+                 "needs the closing tag's token ids", self.end_ids)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop, for one request.
 
@@ -68,8 +89,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-N logprobs of each sampled token, 0 = only the sampled one
+    # vLLM's: the logprob of every prompt token after the first (and its top-N); the prompt is
+    # then computed whole, never read from the prefix cache (its positions' logits are needed)
+    prompt_logprobs: int | None = None
     # The output must match this JSON schema / regex / choice / grammar (``structured/``).
     structured_outputs: StructuredOutputs | None = None
+    thinking_budget: ThinkingBudget | None = None  # reasoning models: think at most this much
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -98,9 +123,11 @@ class SamplingParams:
         if self.max_tokens is not None:
             _require(self.min_tokens <= self.max_tokens, "min_tokens",
                      f"must not exceed max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.logprobs is not None:
-            _require(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-                     f"must be None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(_is_int(value) and 0 <= value <= MAX_LOGPROBS, name,
+                         f"must be None or an integer in [0, {MAX_LOGPROBS}]", value)
 
     def _check_sampling(self) -> None:
         _require(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)

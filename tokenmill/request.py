@@ -194,9 +194,12 @@ class Request:
     @property
     def reuses_cached_prefix(self) -> bool:
         """Whether a cached prefix may stand in for computing its first tokens: not for an
-        encoder, nor for a pooling request that reads more than its last row."""
+        encoder, nor for a pooling request that reads more than its last row, nor for a request
+        scoring its prompt (every position's logits are needed: the prompt is recomputed, and
+        its blocks still go to the cache for others)."""
         params = self.pooling_params
-        return not self.bidirectional and (params is None or params.pooling == "last")
+        return not self.bidirectional and (params is None or params.pooling == "last") and \
+            self.sampling_params.prompt_logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -298,6 +301,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     kv_transfer_params: dict | None = None  # the KV connector's answer (its leader's), when done
     pooled: PoolingOutput | None = None  # a pooling request's vector, once finished (no tokens)
+    # ``prompt_logprobs`` asked: per prompt token, the sampler's TokenLogprobs of it given the
+    # tokens before (None for the first token, which nothing predicts)
+    prompt_logprobs: list | None = None
 
     @classmethod
     def from_sequences(cls, sequences: list[Request]) -> RequestOutput:

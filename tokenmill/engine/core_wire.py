@@ -108,9 +108,11 @@ class OutputDeltas:
 
     def __init__(self) -> None:
         self._sent: dict[str, list[_Sent]] = {}
+        self._prompt_scored: dict[str, int] = {}  # prompt logprobs sent, per request
 
     def delta(self, out: RequestOutput) -> list:
-        """[id, finished, cached tokens, kv params, prompt ids (first time only), completions];
+        """[id, finished, cached tokens, kv params, prompt ids (first time only), completions,
+        new prompt logprobs (None: none asked)];
         each completion: [index, tokens kept, new ids, text kept, new text, finish reason,
         stop reason, logprobs kept (-1: none), new logprobs, cumulative logprob]."""
         first = out.request_id not in self._sent
@@ -129,13 +131,19 @@ class OutputDeltas:
                           lp_keep, new_lp, c.cumulative_logprob])
             s.num_tokens, s.text = len(c.token_ids), c.text
             s.num_logprobs = 0 if c.logprobs is None else len(c.logprobs)
+        scored = None
+        if out.prompt_logprobs is not None:  # grows as a chunked prompt is scored
+            done = self._prompt_scored.get(out.request_id, 0)
+            scored = [None if e is None else _logprob_row(e) for e in out.prompt_logprobs[done:]]
+            self._prompt_scored[out.request_id] = len(out.prompt_logprobs)
         if out.finished:
-            self._sent.pop(out.request_id, None)
+            self.forget(out.request_id)
         return [out.request_id, out.finished, out.num_cached_tokens, out.kv_transfer_params,
-                out.prompt_token_ids if first else None, comps]
+                out.prompt_token_ids if first else None, comps, scored]
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+        self._prompt_scored.pop(request_id, None)
 
 
 @dataclass
@@ -143,6 +151,7 @@ class _Mirror:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: dict[int, CompletionOutput] = field(default_factory=dict)
+    prompt_logprobs: list | None = None
 
 
 class OutputMirror:
@@ -166,12 +175,14 @@ class OutputMirror:
 
     def apply(self, delta: list) -> RequestOutput | None:
         """The request's output with ``delta`` applied (None: a request no longer live)."""
-        request_id, finished, cached, kv_params, prompt_ids, comps = delta
+        request_id, finished, cached, kv_params, prompt_ids, comps, scored = delta
         m = self._live.get(request_id)
         if m is None:
             return None
         if prompt_ids is not None:
             m.prompt_token_ids = prompt_ids
+        if scored is not None:
+            m.prompt_logprobs = (m.prompt_logprobs or []) + [_wire_logprob(r) for r in scored]
         for comp in comps:
             _apply_completion(m, comp)
         if finished:
@@ -180,7 +191,9 @@ class OutputMirror:
         outs = [replace_lists(m.outputs[i]) for i in sorted(m.outputs)]
         return RequestOutput(request_id, m.prompt_token_ids, outs, finished=finished,
                              prompt=m.prompt, num_cached_tokens=cached,
-                             kv_transfer_params=kv_params)
+                             kv_transfer_params=kv_params,
+                             prompt_logprobs=None if m.prompt_logprobs is None
+                             else list(m.prompt_logprobs))
 
     def current(self, request_id: str) -> RequestOutput | None:
         m = self._live.get(request_id)
@@ -204,10 +217,13 @@ def _apply_completion(m: _Mirror, comp: list) -> None:
     if lp_keep < 0:
         c.logprobs = None
     else:
-        rows = [None if r is None else WireLogprob(r[0], r[1], r[2], [tuple(t) for t in r[3]])
-                for r in new_lp]
+        rows = [_wire_logprob(r) for r in new_lp]
         c.logprobs = (c.logprobs or [])[:lp_keep] + rows
     c.cumulative_logprob = cum
+
+
+def _wire_logprob(row: list | None) -> WireLogprob | None:
+    return None if row is None else WireLogprob(row[0], row[1], row[2], [tuple(t) for t in row[3]])
 
 
 def replace_lists(c: CompletionOutput) -> CompletionOutput:

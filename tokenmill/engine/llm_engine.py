@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.info import EngineInfo, EngineStats, StepInfo
 from tokenmill.engine.loras import LoRALike, LoRARegistry
-from tokenmill.engine.output_state import RequestState
+from tokenmill.engine.output_state import RequestState, take_prompt_logprobs
 from tokenmill.engine.overlap import InFlight, OverlappedSteps
 from tokenmill.engine.pooling_requests import PoolingPrompt, PoolingSetup, attach_pooled
 from tokenmill.engine.proposer import DraftProposer
@@ -429,6 +429,7 @@ class LLMEngine(OverlappedSteps):
                  result: ModelOutput) -> list[RequestOutput]:
         """The step's text work: detokenize, match stop strings, build the outputs; finished
         requests leave."""
+        take_prompt_logprobs(self._requests, result.prompt_logprobs)
         outputs = self._process(updates, result.logprobs)
         attach_pooled(outputs, getattr(result, "pooled", None))
         self._inject("process", s)

@@ -6,7 +6,7 @@ string is held back, so a streamed delta never has to be taken back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.params import SamplingParams
@@ -40,6 +40,19 @@ class RequestState:
         self._plain = not params.stop and params.logprobs is None
         # n > 1 outputs list the sequences by index; one sequence needs no sort per step.
         self._ordered = sorted(sequences, key=lambda s: s.seq_index)
+        # per prompt token, its logprobs entry once a step scored it (the first stays None)
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None \
+            else [None] * len(prompt_token_ids)
+
+    def take_prompt_logprobs(self, first: int, entries: Sequence[object]) -> None:
+        """Entries scoring prompt tokens ``first, first + 1, ...``. A prompt computed again
+        (after a preemption, or by each of n sequences) scores them again: the first stays."""
+        scored = self.prompt_logprobs
+        if scored is None:
+            return
+        for i, entry in enumerate(entries, start=first):
+            if scored[i] is None:
+                scored[i] = entry
 
     def on_tokens(self, seq: Request, token_ids: list[int],
                   logprobs: Sequence[object | None] | None) -> tuple[str, int] | None:
@@ -111,4 +124,16 @@ class RequestState:
         lead = self.sequences[0]
         return RequestOutput(self.request_id, self.prompt_token_ids, outs, finished=finished,
                              prompt=self.prompt, num_cached_tokens=lead.num_cached_tokens or 0,
-                             kv_transfer_params=lead.kv_transfer_out if finished else None)
+                             kv_transfer_params=lead.kv_transfer_out if finished else None,
+                             prompt_logprobs=None if self.prompt_logprobs is None
+                             else list(self.prompt_logprobs))
+
+
+def take_prompt_logprobs(states: Mapping[str, RequestState],
+                         scored: Mapping[str, tuple[int, Sequence[object]]]) -> None:
+    """A step's prompt logprobs (``ModelOutput.prompt_logprobs``) to their requests' states;
+    requests gone since the step was scheduled are skipped."""
+    for request_id, (first, entries) in scored.items():
+        state = states.get(request_id)
+        if state is not None:
+            state.take_prompt_logprobs(first, entries)

@@ -235,14 +235,15 @@ class MultiprocExecutor(Executor):
     def execute(self, out: SchedulerOutput, masks: RowMasks | None = None,
                 draft_probs: Mapping[str, Sequence[object | None]] | None = None
                 ) -> ModelOutput:
-        from tokenmill.runner.model_runner import sample_step
+        from tokenmill.runner.model_runner import logits_view, sample_step
         from tokenmill.sched.output import ModelOutput
 
+        view = logits_view(out.scheduled)  # prompt-scoring chunks want every position's logits
         if self._kv_reports is None:
-            return sample_step(self.sampler, out.scheduled, self.logits(out.scheduled), masks,
+            return sample_step(self.sampler, out.scheduled, self.logits(view), masks,
                                draft_probs)
         # every rank runs the step's KV ops (its shard) and reports, forward or not
-        logits = self.logits(out.scheduled, out.kv_connector_metadata)
+        logits = self.logits(view, out.kv_connector_metadata)
         self._wait(lambda: self._kv_answers == len(self.ranks))
         result = sample_step(self.sampler, out.scheduled, logits, masks, draft_probs) \
             if out.scheduled else ModelOutput()

@@ -7,6 +7,7 @@ of the semantics: a bias shifts the logits that penalties and temperature then s
     2. grammar_mask   tokens outside row.token_bitmask -> lowest float       all rows
     3. min_tokens     row.stop_token_ids -> -inf while output < min_tokens   rows without a grammar
     4. penalties      repetition (prompt + output), presence / frequency     all rows
+    4b. thinking      past params.thinking_budget: only the closing tag      rows without a grammar
     5. temperature    / temperature                                          sampled rows
     6. top_k_top_p    outside top-k, then outside the nucleus -> -inf        sampled rows
     7. min_p          p < min_p * p_max -> -inf                              sampled rows
@@ -65,8 +66,8 @@ class LogitsProcessor(ABC):
 
 def default_processors() -> list[LogitsProcessor]:
     """The processors in the documented order (see the module docstring)."""
-    return [LogitBias(), GrammarMask(), MinTokens(), Penalties(), Temperature(), TopKTopP(),
-            MinP()]
+    return [LogitBias(), GrammarMask(), MinTokens(), Penalties(), ThinkingBudgetCap(),
+            Temperature(), TopKTopP(), MinP()]
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow],
@@ -276,6 +277,74 @@ def _padded_ids(token_ids: Sequence[Sequence[int]], pad: int) -> torch.Tensor | 
         buf.extend(ids)
         buf.extend([pad] * (width - len(ids)))
     return torch.frombuffer(buf, dtype=torch.long).view(len(token_ids), width)
+
+
+# --- 4b. thinking budget ------------------------------------------------------------------
+
+class ThinkingBudgetCap(LogitsProcessor):
+    """A reasoning model thinks at most ``params.thinking_budget.tokens`` tokens: past them
+    the closing tag's tokens are forced one by one, so the answer follows. It runs after the
+    stages that could change which token wins, and the forced token is the row's only finite
+    logit, so temperature and the truncations after it keep it."""
+
+    name = "thinking_budget"
+
+    def rows(self, rows: Sequence[SamplingRow]) -> list[int]:
+        # A grammar decides the whole output (it may not allow the tag).
+        return [i for i, r in enumerate(rows)
+                if r.params.thinking_budget is not None
+                and r.token_bitmask is None]
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+              indices: list[int]) -> torch.Tensor:
+        forced = [(i, t) for i, r in zip(indices, rows)
+                  if (t := forced_close_token(r.output_token_ids, r.params.thinking_budget))
+                  is not None and t < logits.shape[-1]]
+        if forced:
+            at, ids = zip(*forced)
+            rows_at = _long(at, logits)
+            logits[rows_at] = -math.inf
+            logits[rows_at, _long(ids, logits)] = 0.0
+        return logits
+
+
+def forced_close_token(output: Sequence[int], budget) -> int | None:
+    """The closing tag's next token when ``output`` has thought past ``budget`` (a
+    ``params.ThinkingBudget``: tokens, start_ids, end_ids, starts_open) without closing;
+    None while it may still think or once it closed."""
+    output = list(output)
+    start = 0 if budget.starts_open else _find(output, budget.start_ids, 0)
+    if start is None:
+        return None  # thinking never began
+    if not budget.starts_open:
+        start += len(budget.start_ids)
+    if len(output) - start < budget.tokens:
+        return None
+    # A close is natural (before the budget) or forced (right at it): nowhere later.
+    window = start + budget.tokens + 2 * len(budget.end_ids)
+    if _find(output, budget.end_ids, start, window) is not None:
+        return None
+    end = list(budget.end_ids)
+    # How much of the tag was forced (or written) already: the longest such end of output.
+    done = next((k for k in range(min(len(end) - 1, len(output) - start), 0, -1)
+                 if output[len(output) - k:] == end[:k]), 0)
+    return end[done]
+
+
+def _find(seq: list[int], sub: Sequence[int], start: int, stop: int | None = None
+          ) -> int | None:
+    """Index of the first occurrence of ``sub`` in ``seq[start:stop]``."""
+    sub = list(sub)
+    last = len(seq) if stop is None else min(stop, len(seq))
+    i = start
+    while True:
+        try:
+            i = seq.index(sub[0], i, last)  # the scan runs in C
+        except ValueError:
+            return None
+        if seq[i:i + len(sub)] == sub and i + len(sub) <= last:
+            return i
+        i += 1
 
 
 # --- 5. temperature (sampled rows only, like 6 and 7) --------------------------------------

@@ -21,6 +21,7 @@ the minimum, two blocks, and gives its requests none).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +32,8 @@ from tokenmill.runner.cpu_step import CpuStep, unsupported
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.kv_cache import allocate_kv_cache
 from tokenmill.runner.pooling import Pooler
-from tokenmill.runner.sampler import Sampler, SamplerOutput, SamplingRow
+from tokenmill.runner.sampler import (Sampler, SamplerOutput, SamplingRow,
+                                      prompt_logprob_entries)
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sched.output import ModelOutput, ScheduledChunk, num_matching_drafts
 from tokenmill.util import cdiv
@@ -126,7 +128,7 @@ class ModelRunner:
         was drawn from (a draft model's), for the rejection rule."""
         if any(c.request.pooling_params is not None for c in chunks):
             return self._execute_pooling(chunks, masks, draft_probs)
-        logits = self._governed(lambda: self.forward(chunks))
+        logits = self._governed(lambda: self.forward(logits_view(chunks)))
         return sample_step(self.sampler, chunks, logits, masks, draft_probs)
 
     def _governed(self, run: Callable[[], Any]) -> Any:
@@ -144,7 +146,7 @@ class ModelRunner:
             return out
         sampled = any(c.num_logits for c in chunks)
         with self.pooler.hidden_states() as hidden:
-            logits = self._governed(lambda: self.forward(chunks) if sampled
+            logits = self._governed(lambda: self.forward(logits_view(chunks)) if sampled
                                     else self._hidden_only(chunks))
         if sampled:  # pooling chunks have no logits rows: sampling skips them
             out = sample_step(self.sampler, chunks, logits, masks, draft_probs)
@@ -182,11 +184,74 @@ def sample_step(sampler: Sampler, chunks: Sequence[ScheduledChunk], logits: torc
                 draft_probs: Mapping[str, Sequence[torch.Tensor | None]] | None = None
                 ) -> ModelOutput:
     """Sample a step's ``logits`` (one row per scored position, in chunk order) and accept
-    each chunk's tokens; the grammar ``masks`` are waited for and applied first."""
+    each chunk's tokens; the grammar ``masks`` are waited for and applied first. Where
+    ``logits_view`` asked for rows of prompt positions, they are scored (the prompt tokens'
+    logprobs) and set aside first."""
+    scored: dict[str, tuple[int, list]] = {}
+    scoring = prompt_scoring(chunks)
+    if scoring and logits.shape[0] > sum(c.num_logits for c in chunks):
+        logits, scored = score_prompts(chunks, scoring, logits)
     rows = sampling_rows(chunks, draft_probs)
     if masks is not None:
         masks.apply(rows)
-    return accept_tokens(chunks, sampler(logits, rows, owned=True))
+    out = accept_tokens(chunks, sampler(logits, rows, owned=True))
+    out.prompt_logprobs = scored
+    return out
+
+
+def _scores_prompt(chunk: ScheduledChunk) -> bool:
+    """Whether the chunk holds prompt positions followed by a prompt token, of a request
+    that asked for the prompt's logprobs."""
+    request = chunk.request
+    return request.sampling_params.prompt_logprobs is not None and \
+        chunk.start_pos < request.num_prompt_tokens - 1
+
+
+def prompt_scoring(chunks: Sequence[ScheduledChunk]) -> list[bool] | None:
+    """Per chunk, whether it scores prompt tokens; None when none does (the common step)."""
+    flags = [_scores_prompt(c) for c in chunks]
+    return flags if any(flags) else None
+
+
+def logits_view(chunks: Sequence[ScheduledChunk]) -> Sequence[ScheduledChunk]:
+    """The chunks as the forward sees them: a chunk scoring prompt tokens wants the logits of
+    every position it computes (its sampled rows stay its last ``num_logits``)."""
+    scoring = prompt_scoring(chunks)
+    if scoring is None:
+        return chunks
+    return [replace(c, num_logits=c.num_tokens) if flag else c
+            for c, flag in zip(chunks, scoring)]
+
+
+def score_prompts(chunks: Sequence[ScheduledChunk], scoring: Sequence[bool],
+                  logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[int, list]]]:
+    """Split ``logits_view``'s rows: the rows to sample, and per request (its group id) the
+    index of the first prompt token scored and the entries scoring it and those after it."""
+    keep: list[int] = []
+    score_rows: list[int] = []
+    next_ids: list[int] = []
+    num_top: list[int] = []
+    spans: list[tuple[str, int, int]] = []  # group id, first token scored, how many
+    row = 0
+    for c, flag in zip(chunks, scoring):
+        width = c.num_tokens if flag else c.num_logits
+        keep.extend(range(row + width - c.num_logits, row + width))
+        if flag:
+            prompt = c.request.prompt_token_ids
+            k = min(width, len(prompt) - 1 - c.start_pos)  # positions whose next is prompt
+            score_rows.extend(range(row, row + k))
+            next_ids.extend(prompt[c.start_pos + 1:c.start_pos + 1 + k])
+            num_top.extend([c.request.sampling_params.prompt_logprobs] * k)
+            spans.append((c.request.group_id, c.start_pos + 1, k))
+        row += width
+    index = torch.tensor(score_rows, dtype=torch.int64, device=logits.device)
+    entries = prompt_logprob_entries(logits.index_select(0, index), next_ids, num_top)
+    scored, taken = {}, 0
+    for group_id, first, k in spans:
+        scored[group_id] = (first, entries[taken:taken + k])
+        taken += k
+    sampled = logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
+    return sampled, scored
 
 
 def sampling_rows(chunks: Sequence[ScheduledChunk],

@@ -8,6 +8,7 @@ Per row (vLLM / HF semantics):
         ├─ 2. grammar_mask  tokens outside row.token_bitmask -> lowest float (never drawn)
         ├─ 3. min_tokens    row.stop_token_ids -> -inf while output < min_tokens
         ├─ 4. penalties     repetition (prompt + output), presence / frequency (output)
+        ├─ 4b. thinking     past params.thinking_budget: only the closing tag (no grammar)
         ├─ greedy rows: argmax
         └─ sampled rows:
            ├─ 5. temperature   / temperature
@@ -361,3 +362,23 @@ def logprob_entries(flat: Sequence[float], num_top: Sequence[int | None],
         top = sorted(zip(ids, lps), key=lambda pair: (-pair[1], pair[0]))[:num_top[i]]
         result[i] = TokenLogprobs(int(row[0]), row[1], int(row[2]), top)
     return result
+
+
+# Rows of prompt logprobs computed at once: a long prompt's log-softmax over the vocabulary
+# would otherwise take (prompt tokens x vocabulary) floats beside the logits.
+_PROMPT_ROWS_PER_PASS = 256
+
+
+def prompt_logprob_entries(logits: torch.Tensor, next_ids: Sequence[int],
+                           num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Row i of ``logits`` scores the prompt token ``next_ids[i]`` that follows it: that
+    token's logprob and rank under the raw logits, and the row's top ``num_top[i]``."""
+    entries: list[TokenLogprobs] = []
+    ids = host_to_device(list(next_ids), torch.int64, logits.device)
+    for start in range(0, len(next_ids), _PROMPT_ROWS_PER_PASS):
+        end = min(start + _PROMPT_ROWS_PER_PASS, len(next_ids))
+        tops = list(num_top[start:end])
+        wanted = list(range(end - start))
+        table = logprob_table(logits[start:end], ids[start:end], tops, wanted)
+        entries += logprob_entries(table.flatten().tolist(), tops, wanted)
+    return entries

@@ -73,6 +73,9 @@ class ModelOutput:
     kv_connector_output: KVConnectorOutput | None = None  # the KV connector's workers' report
     # pooling sequences whose prompt ended this step: id -> their pooled vector (1-D float32)
     pooled: dict[str, Any] = field(default_factory=dict)
+    # ``prompt_logprobs`` requests: caller's request id -> (index of the prompt token the first
+    # entry scores, one logprobs entry per prompt token this step's chunk scored)
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
 
 
 # What a step sampled, as the scheduler takes it: ``ModelOutput.token_ids``, or one token id

@@ -49,8 +49,9 @@ class PrefillHolds:
 
     def holds(self, request: Request) -> bool:
         """Whether a prefilling request has yet to compute (before this step) full blocks this
-        one's prompt shares with it, which the cache does not hold yet."""
-        key = self._key(request)
+        one's prompt shares with it, which the cache does not hold yet (never one that would not
+        read the cache anyway)."""
+        key = self._key(request) if request.reuses_cached_prefix else None
         if key is None:
             return False
         prompt, bs = request.prompt_token_ids, self._blocks.block_size

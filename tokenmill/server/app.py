@@ -26,6 +26,7 @@ from tokenmill.engine.kv_publisher import advertised
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.plan import format_plan
 from tokenmill.request import PromptError, check_vocabulary
+from tokenmill.server.anthropic import add_anthropic_routes
 from tokenmill.server.embeddings import add_pooling_routes
 from tokenmill.server.health import Watchdog, probe
 from tokenmill.server.limits import RequestLimits
@@ -49,6 +50,7 @@ from tokenmill.server.protocol import (
     TokenizeRequest,
     field_error,
 )
+from tokenmill.server.reasoning import get_reasoning_parser
 from tokenmill.server.responses import add_responses_routes
 from tokenmill.server.serving import OpenAIServing
 
@@ -67,6 +69,8 @@ class ServerSettings:
     max_queued_requests: int | None = None
     shutdown_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
     tool_call_parser: str = "hermes"  # the model family's tool-call syntax (tools/parsers.py)
+    # The model family's thinking tags (server/reasoning.py); None: answers are not split.
+    reasoning_parser: str | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     public_metrics: bool = False  # /metrics without the API key (for a scraper without one)
     step_timeout: float = 60.0  # a step running longer turns /health into 503
@@ -100,8 +104,12 @@ def create_app(engine: LLMEngine | EngineCoreClient, settings: ServerSettings) -
     if settings.api_key:
         public = _PUBLIC_PATHS | ({"/metrics"} if settings.public_metrics else set())
         app.add_middleware(BearerAuth, api_key=settings.api_key, public=public)
-    _add_generation_routes(app, OpenAIServing(pipeline))
-    add_responses_routes(app, pipeline)
+    reasoning = get_reasoning_parser(settings.reasoning_parser) \
+        if settings.reasoning_parser else None
+    serving = OpenAIServing(pipeline, reasoning)
+    _add_generation_routes(app, serving)
+    add_responses_routes(app, pipeline, serving.reasoning_setup)
+    add_anthropic_routes(app, pipeline, reasoning)
     add_pooling_routes(app, pipeline)
     add_model_routes(app, pipeline.models, settings.allow_runtime_lora)
     _add_health_routes(app, async_engine, settings, watchdog)

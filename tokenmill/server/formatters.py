@@ -22,7 +22,10 @@ from fastapi.responses import StreamingResponse
 
 from tokenmill.engine.async_engine import RequestStream
 from tokenmill.request import CompletionOutput, RequestOutput
+from tokenmill.server.prompt_scores import (prompt_pairs, vllm_prompt_logprobs,
+                                            without_generation)
 from tokenmill.server.protocol import APIError, StreamOptions
+from tokenmill.server.reasoning import ReasoningSetup, ReasoningStreamer
 from tokenmill.server.streams import (STREAM_ERRORS, AbortingStreamingResponse, as_api_error,
                                       merge)
 from tokenmill.server.tools.parsers import ToolCallParser, ToolCallStreamer
@@ -178,15 +181,20 @@ class CompletionFormatter(ChoicesFormatter):
 
     def __init__(self, rid: str, model: str, token_text: TokenText,
                  stream_options: StreamOptions | None, n: int, num_prompts: int,
-                 logprobs: int | None, echo: Sequence[str] | None = None):
+                 logprobs: int | None, echo: Sequence[str] | None = None,
+                 score_only: bool = False, prompt_logprobs: bool = False):
         super().__init__(rid, model, token_text, stream_options)
         self.n = n
         self.num_prompts = num_prompts
         self.logprobs = logprobs
         self.echo = echo
+        self.score_only = score_only  # echo with max_tokens 0: the sampled token is dropped
+        self.prompt_logprobs = prompt_logprobs  # vLLM's per-choice ``prompt_logprobs`` field
 
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        choices = [self._choice(pi, c, _CompletionCursor())
+        if self.score_only:
+            finals = [without_generation(out) for out in finals]
+        choices = [self._choice(pi, out, c, _CompletionCursor())
                    for pi, out in enumerate(finals) for c in out.outputs]
         return with_kv_transfer({"id": self.rid, "object": "text_completion",
                                  "created": self.created, "model": self.model,
@@ -196,36 +204,47 @@ class CompletionFormatter(ChoicesFormatter):
         cursors = [_CompletionCursor() for _ in range(self.n * self.num_prompts)]
         finals: dict[int, RequestOutput] = {}
         async for pi, out in outputs:
+            out = without_generation(out) if self.score_only else out
             finals[pi] = out
-            choices = [d for c in out.outputs
-                       if (d := self._choice(pi, c, cursors[pi * self.n + c.index])) is not None]
+            choices = [d for c in out.outputs if (d := self._choice(
+                pi, out, c, cursors[pi * self.n + c.index])) is not None]
             if choices:
                 yield self.chunk(choices, self.running_usage(out))
         if self.include_usage:
             yield self.usage_chunk(finals.values())
 
-    def _choice(self, pi: int, c: CompletionOutput, cursor: _CompletionCursor) -> dict | None:
-        """What of choice ``c`` of prompt ``pi`` is new, or None when nothing is."""
+    def _choice(self, pi: int, out: RequestOutput, c: CompletionOutput,
+                cursor: _CompletionCursor) -> dict | None:
+        """What of choice ``c`` of prompt ``pi`` is new, or None when nothing is. The echo goes
+        out first, with the prompt tokens' logprobs where logprobs are asked for."""
         echo = self.echo is not None and not cursor.started
         new, entries, finish = cursor.take(c)
         text = (self.echo[pi] if echo else "") + new
         if not (text or entries or finish or echo):
             return None
         cursor.started = True
-        lp = self._logprobs(entries, cursor) if self.logprobs is not None else None
-        return {"index": pi * self.n + c.index, "text": text, "logprobs": lp,
-                "finish_reason": finish, "stop_reason": c.stop_reason if finish else None}
+        pairs = prompt_pairs(out) if echo else []
+        pairs += [(e.token_id, e) for e in entries]
+        lp = self._logprobs(pairs, cursor) if self.logprobs is not None else None
+        choice = {"index": pi * self.n + c.index, "text": text, "logprobs": lp,
+                  "finish_reason": finish, "stop_reason": c.stop_reason if finish else None}
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(out, self.token_text)
+        return choice
 
-    def _logprobs(self, entries: list[Any], cursor: _CompletionCursor) -> dict[str, Any]:
-        """The generated tokens' logprobs (echo is refused with logprobs until the prompt's
-        are computed)."""
+    def _logprobs(self, pairs: list[tuple[int, Any]], cursor: _CompletionCursor
+                  ) -> dict[str, Any]:
+        """Tokens with their logprobs entries (None: a token nothing scored, the prompt's
+        first, which OpenAI reports as null)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        for e in entries:
-            text = self.token_text(e.token_id)
-            top = {self.token_text(t): lp for t, lp in e.top}
-            top.setdefault(text, e.logprob)
+        for token_id, e in pairs:
+            text = self.token_text(token_id)
+            top = None
+            if e is not None:
+                top = {self.token_text(t): lp for t, lp in e.top}
+                top.setdefault(text, e.logprob)
             tokens.append(text)
-            token_lps.append(e.logprob)
+            token_lps.append(None if e is None else e.logprob)
             tops.append(top)
             offsets.append(cursor.offset)
             cursor.offset += len(text)
@@ -236,18 +255,22 @@ class CompletionFormatter(ChoicesFormatter):
 class ChatFormatter(ChoicesFormatter):
     """``/v1/chat/completions``. With a tool ``parser`` (tools offered, tool_choice not
     "none") each choice's text is split into content and ``tool_calls``, whole or as it
-    streams; calls past ``call_limit`` are dropped."""
+    streams; calls past ``call_limit`` are dropped. With ``reasoning`` (``--reasoning-parser``)
+    the thinking is split off first into ``reasoning`` (and ``reasoning_content``, its older
+    name), and only the rest is content and calls."""
 
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, rid: str, model: str, token_text: TokenText,
                  stream_options: StreamOptions | None, n: int, top_logprobs: int | None,
-                 parser: ToolCallParser | None = None, call_limit: int | None = None):
+                 parser: ToolCallParser | None = None, call_limit: int | None = None,
+                 reasoning: ReasoningSetup | None = None):
         super().__init__(rid, model, token_text, stream_options)
         self.n = n
         self.top_logprobs = top_logprobs  # None: no logprobs asked for
         self.parser = parser
         self.call_limit = call_limit
+        self.reasoning = reasoning
 
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         out = finals[0]
@@ -257,12 +280,14 @@ class ChatFormatter(ChoicesFormatter):
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.logprobs or []),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
-        return with_kv_transfer({"id": self.rid, "object": "chat.completion",
-                                 "created": self.created, "model": self.model,
-                                 "choices": choices, "usage": openai_usage([out])}, [out])
+        body = {"id": self.rid, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": openai_usage([out])}
+        if out.prompt_logprobs is not None:  # vLLM's, beside the choices
+            body["prompt_logprobs"] = vllm_prompt_logprobs(out, self.token_text)
+        return with_kv_transfer(body, [out])
 
     async def events(self, outputs: Outputs) -> AsyncIterator[dict[str, Any]]:
-        choices = [_ChatChoice(self.parser) for _ in range(self.n)]
+        choices = [_ChatChoice(self.parser, self.reasoning) for _ in range(self.n)]
         final = None
         for i in range(self.n):  # the role first, like OpenAI, so clients see headers early
             yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -293,12 +318,19 @@ class ChatFormatter(ChoicesFormatter):
     def _message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
         """The assistant message of a finished choice and its finish reason."""
         finish = c.finish_reason.value if c.finish_reason else None
+        message: dict[str, Any] = {"role": "assistant"}
+        text: str | None = c.text
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(c.text)
+            if not self.reasoning.include:
+                reasoning = None
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if self.parser is None:
-            return {"role": "assistant", "content": c.text}, finish
-        parsed = self.parser.parse(c.text)
+            return {**message, "content": text}, finish
+        parsed = self.parser.parse(text or "")
         if self.call_limit is not None:
             del parsed.tool_calls[self.call_limit:]
-        message = {"role": "assistant", "content": parsed.content}
+        message["content"] = parsed.content
         if parsed.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
             if finish == "stop":
@@ -312,15 +344,37 @@ class ChatFormatter(ChoicesFormatter):
 
 
 class _ChatChoice:
-    """One streamed chat choice: its cursor and, with tools, the call parser's state."""
+    """One streamed chat choice: its cursor and, with tools, the call parser's state; with a
+    reasoning parser, that parser's state in front of it."""
 
-    def __init__(self, parser: ToolCallParser | None):
+    def __init__(self, parser: ToolCallParser | None, reasoning: ReasoningSetup | None = None):
         self.cursor = ChoiceCursor()
         self.streamer: ToolCallStreamer | None = parser.streamer() if parser else None
+        self.thinker: ReasoningStreamer | None = reasoning.streamer() if reasoning else None
+        self.show_reasoning = reasoning is not None and reasoning.include
         self.called = False  # a tool call was streamed
 
     def deltas(self, text: str, finished: bool, call_limit: int | None) -> list[dict[str, Any]]:
-        """The chat deltas of new text: content, or with tools content and calls."""
+        """The chat deltas of new text: reasoning, then content, or with tools content and
+        calls."""
+        if self.thinker is None:
+            return self._answer(text, finished, call_limit)
+        pieces = self.thinker.feed(text) if text else []
+        if finished:
+            pieces += self.thinker.finish()
+        deltas: list[dict[str, Any]] = []
+        for kind, piece in pieces:
+            if kind == "content":
+                deltas += self._answer(piece, False, call_limit)
+            elif self.show_reasoning:
+                deltas.append({"reasoning": piece, "reasoning_content": piece})
+        if finished:
+            deltas += self._answer("", True, call_limit)
+        return deltas
+
+    def _answer(self, text: str, finished: bool, call_limit: int | None
+                ) -> list[dict[str, Any]]:
+        """The deltas of answer text: content, or with tools content and calls."""
         if self.streamer is None:
             return [{"content": text}] if text else []
         deltas = self.streamer.feed(text) if text else []

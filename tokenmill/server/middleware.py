@@ -18,7 +18,8 @@ def error_response(err: APIError) -> JSONResponse:
 
 class BearerAuth:
     """Pure ASGI middleware: every route but the ``public`` ones needs ``Authorization: Bearer
-    <key>`` (compared in constant time)."""
+    <key>`` (compared in constant time); Anthropic's routes (``/v1/messages``) also take the
+    key as ``x-api-key``, as its SDK sends it."""
 
     def __init__(self, app: Any, api_key: str, public: frozenset[str]):
         self.app = app
@@ -27,7 +28,10 @@ class BearerAuth:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in self.public:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            if scope["path"].startswith("/v1/messages") and b"x-api-key" in headers:
+                given = b"Bearer " + headers[b"x-api-key"]
             if not key_matches(given, self.expected):
                 await error_response(auth_error())(scope, receive, send)
                 return

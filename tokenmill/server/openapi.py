@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
+from tokenmill.server.anthropic_schema import (ANTHROPIC_MODELS, AnthropicErrorBody,
+    AnthropicMessage, AnthropicStreamEvent, AnthropicTokenCount)
 from tokenmill.server.protocol import ErrorType
 
 _REF = "#/components/schemas/{model}"
@@ -391,7 +393,7 @@ class ErrorBody(BaseModel):
 MODELS: tuple[type[BaseModel], ...] = (
     Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk, ResponseObject,
     ResponseStreamEvent, ModelCard, ModelList, Tokenized, Detokenized, FlushedCache, Version,
-    HealthStatus, ServerInfo, ErrorBody, EmbeddingList, RerankList, ScoreList)
+    HealthStatus, ServerInfo, ErrorBody, EmbeddingList, RerankList, ScoreList, *ANTHROPIC_MODELS)
 
 
 # ----- the table --------------------------------------------------------------------------------
@@ -436,6 +438,13 @@ def _pooling(model: type[BaseModel], *paths: str) -> dict[str, Statuses]:
     return dict.fromkeys(paths, statuses)
 
 
+def _anthropic(model: type[BaseModel], what: str) -> Statuses:
+    """Anthropic-shaped errors, but for the middleware's 401 and 413 (OpenAI-shaped)."""
+    return {200: (what, model), 400: (_BAD, AnthropicErrorBody), 401: (_AUTH, ErrorBody),
+            404: (_NOT_FOUND, AnthropicErrorBody), 413: (_TOO_LARGE, ErrorBody),
+            500: (_FAILED, AnthropicErrorBody), 503: (_UNAVAILABLE, AnthropicErrorBody)}
+
+
 ROUTES: dict[str, Statuses] = {
     "/v1/completions": _generation(Completion),
     "/v1/chat/completions": _generation(ChatCompletion),
@@ -443,6 +452,9 @@ ROUTES: dict[str, Statuses] = {
     **_pooling(EmbeddingList, "/v1/embeddings"),
     **_pooling(RerankList, "/v1/rerank", "/rerank", "/v2/rerank"),
     **_pooling(ScoreList, "/v1/score", "/score"),
+    "/v1/messages": _anthropic(AnthropicMessage, "the message, or a stream of events with "
+                               "stream: true"),
+    "/v1/messages/count_tokens": _anthropic(AnthropicTokenCount, "the prompt's tokens"),
     "/v1/models": {200: ("the served model, then its LoRA adapters", ModelList),
                    401: (_AUTH, ErrorBody)},
     "/v1/models/{model_id}": {200: ("the model", ModelCard), 401: (_AUTH, ErrorBody),
@@ -483,7 +495,8 @@ ROUTES: dict[str, Statuses] = {
 STREAMING: dict[str, tuple[type[BaseModel], bool]] = {
     "/v1/completions": (CompletionChunk, True),
     "/v1/chat/completions": (ChatCompletionChunk, True),
-    "/v1/responses": (ResponseStreamEvent, False)}
+    "/v1/responses": (ResponseStreamEvent, False),
+    "/v1/messages": (AnthropicStreamEvent, False)}
 
 
 # ----- building the document --------------------------------------------------------------------
@@ -528,7 +541,7 @@ def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
     out = {str(status): _response(desc, body) for status, (desc, body) in statuses.items()}
     if path in STREAMING:
         out["200"]["content"]["text/event-stream"] = {"schema": _sse_event(*STREAMING[path])}
-    if "503" in out and statuses[503][1] is ErrorBody:
+    if "503" in out and statuses[503][1] in (ErrorBody, AnthropicErrorBody):
         out["503"]["headers"] = {"Retry-After": {
             "description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
     return out

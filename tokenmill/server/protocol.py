@@ -182,7 +182,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "enable_response_messages": _OFF, "previous_input_messages": (None, []),
 }
 # completions implement these (add_special_tokens defaults to true there)
-_UNSUPPORTED_COMPLETIONS = {"add_special_tokens", "echo", "kv_transfer_params"}
+_UNSUPPORTED_COMPLETIONS = {"add_special_tokens", "echo", "kv_transfer_params", "prompt_logprobs"}
 # vLLM fields left alone because they ask for nothing here: ``session_id`` (a hint for routing
 # related requests; one engine), ``truncation_side`` (only with truncate_prompt_tokens, refused
 # above), ``mm_payload``, ``return_mm_kwargs`` and ``routed_experts_prompt_start`` (what the render
@@ -264,6 +264,12 @@ class SamplingFields(_Request):
     # vLLM's prefill/decode hand-off, for the engine's KV connector as it is; completions and
     # chat take it, the other endpoints refuse it (``implemented``)
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: the prompt tokens' logprobs with their top-N (completions and chat take it)
+    prompt_logprobs: int | None = None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top-N the engine scores the prompt with (None: the prompt is not scored)."""
+        return self.prompt_logprobs
 
     @field_validator("request_id")
     @classmethod
@@ -286,6 +292,13 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
     implemented: ClassVar[frozenset[str]] = frozenset(_UNSUPPORTED_COMPLETIONS)
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` puts the prompt tokens' logprobs in front of the
+        generated ones (what lm-evaluation-harness sums), so the prompt is scored then too."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class ChatMessage(_Request):
@@ -325,8 +338,18 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a named function
     parallel_tool_calls: bool = True
+    # With --reasoning-parser: whether the thinking is returned (vLLM's; false drops it).
+    include_reasoning: bool = True
+    # With --reasoning-parser: think at most this many tokens, then the closing tag is forced.
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    # The last message (an assistant's, usually) is left open and the model goes on writing
+    # it, instead of starting a new turn (vLLM's; needs add_generation_prompt false).
+    continue_final_message: bool = False
 
-    implemented: ClassVar[frozenset[str]] = frozenset({"kv_transfer_params"})
+    implemented: ClassVar[frozenset[str]] = frozenset({"kv_transfer_params",
+                                                       "include_reasoning", "prompt_logprobs",
+                                                       "thinking_token_budget",
+                                                       "continue_final_message"})
 
 
 class TokenizeRequest(_Request):
@@ -336,14 +359,14 @@ class TokenizeRequest(_Request):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
-        return _refuse_unimplemented(data, ("continue_final_message", "media_io_kwargs",
-                                            "mm_processor_kwargs"))
+        return _refuse_unimplemented(data, ("media_io_kwargs", "mm_processor_kwargs"))
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # a prompt: default true; messages: not taken
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as in chat
     tools: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -20,6 +20,7 @@ import json
 import logging
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from fastapi.responses import Response
 from tokenmill.params import StructuredOutputs
 from tokenmill.server.pipeline import RequestPipeline, given_id
 from tokenmill.server.protocol import APIError, printable
+from tokenmill.server.reasoning import ReasoningSetup
 from tokenmill.server.responses_format import ResponseHead, ResponsesFormatter
 from tokenmill.server.responses_input import (chat_messages, input_items, output_constraint,
                                               responses_tools, text_format)
@@ -58,8 +60,11 @@ class OpenAIResponses:
     """``/v1/responses`` on the request pipeline, with the response store."""
 
     def __init__(self, pipeline: RequestPipeline | None, store_size: int = STORE_SIZE,
-                 store_chars: int = STORE_CHARS):
+                 store_chars: int = STORE_CHARS,
+                 reasoning: Callable[[list[int]], ReasoningSetup | None] | None = None):
         self.pipeline = pipeline
+        # a prompt's ids -> how its answer's thinking is split off (None: no reasoning parser)
+        self.reasoning = reasoning
         self.store_size = store_size
         self.store_chars = store_chars
         # (namespace, response id) -> (the input and output items of its whole chain in
@@ -89,8 +94,10 @@ class OpenAIResponses:
         head = ResponseHead(self._new_id(namespace, given), model.name, req, out.tools_echo,
                             out.text_echo, previous + kept, namespace)
         fmt = ResponsesFormatter(head, p.token_text,
-                                 p.tool_parser if out.tools.active else None, out.tools.limit,
-                                 out.logprobs, self._keep)
+                                 p.tool_parser.for_tools(out.tools.choosable) if out.tools.active
+                                 else None, out.tools.limit,
+                                 out.logprobs, self._keep,
+                                 self.reasoning(prompt.ids) if self.reasoning else None)
         return await p.run(job, fmt, req.stream, raw)
 
     def _output(self, req: ResponsesRequest) -> _OutputSetup:
@@ -154,9 +161,11 @@ def _namespace(raw: Request, cache_salt: str | None) -> str:
     return hashlib.sha256(json.dumps([key, cache_salt]).encode()).hexdigest()
 
 
-def add_responses_routes(app: FastAPI, pipeline: RequestPipeline) -> None:
-    """``POST /v1/responses``."""
-    responses = OpenAIResponses(pipeline)
+def add_responses_routes(app: FastAPI, pipeline: RequestPipeline,
+                         reasoning: Callable[[list[int]], ReasoningSetup | None] | None = None
+                         ) -> None:
+    """``POST /v1/responses`` (``reasoning``: the chat serving's ``reasoning_setup``)."""
+    responses = OpenAIResponses(pipeline, reasoning=reasoning)
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request):

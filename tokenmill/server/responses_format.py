@@ -1,7 +1,9 @@
 """The Responses API's formatter: output items and typed stream events from one builder.
 
 Text goes to one message item (opened at its first text, closed at the end); with a tool
-parser each call becomes a function_call item once it is complete. A non-streamed response
+parser each call becomes a function_call item once it is complete. With a reasoning parser the
+thinking comes first, as a reasoning item (``reasoning_text`` content) closed when the answer
+starts. A non-streamed response
 feeds the whole text once and gets the same items a stream ends with.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 from tokenmill.request import FinishReason, RequestOutput
 from tokenmill.server.formatters import ChoiceCursor, OutputFormatter, Outputs, TokenText
 from tokenmill.server.protocol import APIError
+from tokenmill.server.reasoning import ReasoningSetup
 from tokenmill.server.responses_request import ResponsesRequest
 from tokenmill.server.tools.parsers import ToolCallParser
 
@@ -100,7 +103,8 @@ class ResponsesFormatter(OutputFormatter):
 
     def __init__(self, head: ResponseHead, token_text: TokenText,
                  parser: ToolCallParser | None, call_limit: int | None,
-                 top_logprobs: int | None, keep: Callable[[ResponseHead, dict], None]):
+                 top_logprobs: int | None, keep: Callable[[ResponseHead, dict], None],
+                 reasoning: ReasoningSetup | None = None):
         super().__init__(head.rid, head.model, token_text)
         self.head = head
         self.items: list[dict[str, Any]] = []
@@ -114,6 +118,10 @@ class ResponsesFormatter(OutputFormatter):
         self._logprobs: list[dict] = []
         self._call: tuple[str, str] | None = None  # (call id, name) of a call being sent
         self._seq = itertools.count()
+        self._thinker = reasoning.streamer() if reasoning is not None else None
+        self._thought: dict[str, Any] | None = None  # the open reasoning item
+        self._thought_texts: list[str] = []
+        self._held: list[Any] = []  # logprob entries waiting for answer text
 
     # ----- the formatter contract -------------------------------------------------------------
 
@@ -162,6 +170,29 @@ class ResponsesFormatter(OutputFormatter):
 
     def feed(self, text: str, entries: Sequence[Any] = ()) -> Events:
         """The events of new text (and its logprob entries)."""
+        if self._thinker is None:
+            return self._feed_answer(text, entries)
+        events: Events = []
+        pieces = self._thinker.feed(text) if text else []
+        self._held += entries
+        if pieces:
+            self._pieces(pieces, events)
+        return events
+
+    def _pieces(self, pieces: list[tuple[str, str]], events: Events) -> None:
+        """A reasoning parser's pieces: reasoning into its item, answer text into the
+        message. The logprob entries held go with the first answer text; reasoning tokens'
+        are not reported (as OpenAI reports none)."""
+        entries, self._held = self._held, []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                self._add_thought(piece, events)
+                continue
+            self._close_thought(events)
+            events += self._feed_answer(piece, entries)
+            entries = []
+
+    def _feed_answer(self, text: str, entries: Sequence[Any] = ()) -> Events:
         events: Events = []
         if self._streamer is None:
             if text or entries:
@@ -173,9 +204,13 @@ class ResponsesFormatter(OutputFormatter):
     def finish(self, status: str) -> Events:
         """The events that close the items; ``status`` is the response's."""
         events: Events = []
+        if self._thinker is not None:
+            self._pieces(self._thinker.finish(), events)
+            self._close_thought(events)
         if self._streamer is not None:
             self._deltas(self._streamer.finish(), events)
-        if not self.items:  # nothing said: one empty message, as OpenAI answers
+        if not any(i["type"] != "reasoning" for i in self.items):
+            # no answer: one empty message, as OpenAI answers
             self._open_message(events)
         if self._message is not None:
             self._close_message("completed" if status == "completed" else "incomplete", events)
@@ -244,3 +279,37 @@ class ResponsesFormatter(OutputFormatter):
                        "name": name, "arguments": arguments})
         events.append({"type": "response.output_item.done", "output_index": index,
                        "item": item})
+
+    def _add_thought(self, text: str, events: Events) -> None:
+        if self._thought is None:
+            self._thought = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning",
+                             "summary": [], "content": [], "encrypted_content": None,
+                             "status": "in_progress"}
+            self.items.append(self._thought)
+            index = len(self.items) - 1
+            events.append({"type": "response.output_item.added", "output_index": index,
+                           "item": {**self._thought, "content": []}})
+            events.append({"type": "response.content_part.added",
+                           **self._thought_where(), "part": _thought_part("")})
+        self._thought_texts.append(text)
+        events.append({"type": "response.reasoning_text.delta", **self._thought_where(),
+                       "delta": text})
+
+    def _close_thought(self, events: Events) -> None:
+        if self._thought is None or self._thought["status"] == "completed":
+            return
+        part = _thought_part("".join(self._thought_texts))
+        self._thought.update(status="completed", content=[part])
+        where = self._thought_where()
+        events.append({"type": "response.reasoning_text.done", **where, "text": part["text"]})
+        events.append({"type": "response.content_part.done", **where, "part": part})
+        events.append({"type": "response.output_item.done",
+                       "output_index": where["output_index"], "item": self._thought})
+
+    def _thought_where(self) -> dict[str, Any]:
+        return {"item_id": self._thought["id"], "output_index": self.items.index(self._thought),
+                "content_index": 0}
+
+
+def _thought_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}

@@ -139,6 +139,7 @@ def sampling_kwargs(req: SamplingFields, max_tokens: int,
                     logprobs: int | None) -> dict[str, Any]:
     """``SamplingParams`` keywords of a request's sampling fields (nulls as the defaults)."""
     kw: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "logprobs": logprobs,
+                          "prompt_logprobs": req.engine_prompt_logprobs(),
                           "seed": req.seed, "min_tokens": req.min_tokens,
                           "ignore_eos": req.ignore_eos,
                           "skip_special_tokens": req.skip_special_tokens,
