@@ -251,6 +251,10 @@ def test_thinking_blocks_from_the_reasoning_parser(server, client):
     hidden = client.messages.create(thinking={"type": "disabled"}, **kw)
     assert all(b.type != "thinking" for b in hidden.content)
     assert hidden.usage.output_tokens == whole.usage.output_tokens
+    # budget_tokens: past it the closing tag is forced, and the answer follows the thinking
+    capped = client.messages.create(thinking={"type": "enabled", "budget_tokens": 2}, **kw)
+    assert capped.content[0].type == "thinking"
+    assert len(capped.content[0].thinking) < len(whole.content[0].thinking)
 
 
 def test_tool_use_and_tool_result_round_trip(server, client):
@@ -339,6 +343,8 @@ BAD = [  # (body, status, error type, what the message names)
      "invalid_request_error", "thinking.budget_tokens"),
     ({"max_tokens": 5, "messages": ASK, "stop": ["x"]}, 400, "invalid_request_error",
      "stop_sequences"),
+    ({"max_tokens": 5, "messages": ASK, "output_config": {"effort": "high"}}, 400,
+     "invalid_request_error", "output_config.effort"),
     ({"max_tokens": 5, "messages": ASK, "stop_sequences": ["x"] * 1000}, 400,
      "invalid_request_error", "stop_sequences"),
     ({"max_tokens": 5000, "messages": ASK}, 400, "invalid_request_error", "max_tokens"),

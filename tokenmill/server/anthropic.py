@@ -11,6 +11,7 @@ validation included, come back in Anthropic's shape
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,7 @@ from tokenmill.server.pipeline import Prompt, RequestPipeline, given_id
 from tokenmill.server.protocol import APIError, FieldError, field_error
 from tokenmill.server.reasoning import ReasoningParser, ReasoningSetup
 from tokenmill.server.sampling import OutputLimit
-from tokenmill.server.serving import request_constraint, template_kwargs
+from tokenmill.server.serving import request_constraint, template_kwargs, thinking_budget
 from tokenmill.server.tools.choice import ToolSetup
 from tokenmill.server.tools.prompt import ToolsError, check_tools
 
@@ -59,12 +60,16 @@ class AnthropicMessages:
         await p.check_tool_schemas(tools.offered, "tools[{}].input_schema")
         prompt = await self.render(req, tools)
         job = await p.prepare(req, [prompt], limit, None, structured, model)
+        reasoning = self._reasoning(req, prompt)
+        budget = thinking_enabled(req.thinking)[1]
+        if budget is not None and reasoning is not None:  # no parser: no thinking is shown
+            job.params = dataclasses.replace(
+                job.params, thinking_budget=thinking_budget(p.tokenizer, budget, reasoning))
         given = given_id(req, raw)
         rid = f"msg_{uuid.uuid4().hex[:24]}" if given is None else given
         fmt = MessagesFormatter(rid, model.name, p.token_text,
                                 p.tool_parser.for_tools(tools.choosable) if tools.active else None,
-                                tools.limit,
-                                self._reasoning(req, prompt))
+                                tools.limit, reasoning)
         return await p.run(job, fmt, req.stream, raw)
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, Any]:

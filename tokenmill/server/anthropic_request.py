@@ -269,8 +269,10 @@ def thinking_enabled(thinking: dict[str, Any] | None) -> tuple[bool | None, int 
 
 
 def output_format(config: dict[str, Any] | None) -> StructuredOutputs | None:
-    """``output_config.format`` (a JSON schema the text must keep) as a constraint. Its
-    ``effort`` is a hint a local model has no control for: taken, and nothing changes."""
+    """``output_config.format`` (a JSON schema the text must keep) as a constraint; its other
+    settings (``effort``) are refused by name: nothing here would honour them."""
+    for key in sorted(set(config or {}) - {"format"}):
+        raise bad(f"output_config.{key}", "is not supported by this server")
     fmt = (config or {}).get("format")
     if fmt is None:
         return None

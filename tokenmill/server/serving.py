@@ -145,13 +145,7 @@ class OpenAIServing:
                               include)
 
     def thinking_budget(self, tokens: int, reasoning: ReasoningSetup) -> ThinkingBudget:
-        """The engine's side of ``thinking_token_budget``: the tags as token ids, and whether
-        the prompt left the model thinking already."""
-        parser, start = reasoning.parser, reasoning.start
-        return ThinkingBudget(tokens, tuple(self.tokenizer.encode(parser.start_tag, False)),
-                              tuple(self.tokenizer.encode(parser.end_tag, False)),
-                              starts_open=start.mode is Mode.REASONING or
-                              (start.mode is Mode.UNDECIDED and start.default_reasoning))
+        return thinking_budget(self.tokenizer, tokens, reasoning)
 
     def _chat_tools(self, req: ChatCompletionRequest
                     ) -> tuple[ToolSetup, StructuredOutputs | None]:
@@ -256,3 +250,14 @@ def checked_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | 
         except ToolsError as e:
             raise field_error(e) from None
     return tools
+
+
+def thinking_budget(tokenizer: Any, tokens: int, reasoning: ReasoningSetup) -> ThinkingBudget:
+    """The engine's side of a thinking budget (``thinking_token_budget``, Anthropic's
+    ``budget_tokens``): the tags as token ids, and whether the prompt left the model thinking
+    already."""
+    parser, start = reasoning.parser, reasoning.start
+    return ThinkingBudget(tokens, tuple(tokenizer.encode(parser.start_tag, False)),
+                          tuple(tokenizer.encode(parser.end_tag, False)),
+                          starts_open=start.mode is Mode.REASONING or
+                          (start.mode is Mode.UNDECIDED and start.default_reasoning))
