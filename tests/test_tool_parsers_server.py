@@ -12,24 +12,10 @@ import openai
 import pytest
 
 from tests.test_server_support import MODEL, server_fixtures
+from tests.test_tool_parsers_model import ASK, SCHEMA_OF, TOOLS
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object",
-                   "properties": {"city": {"type": "string", "maxLength": 20},
-                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object",
-                   "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
-                                  "b": {"type": "integer", "minimum": -99, "maximum": 99}},
-                   "required": ["a", "b"]}}}
-TOOLS = [WEATHER, ADD]
-SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
 # A tool-aware template in Qwen3-Coder's manner: tools listed, past calls written as XML.
 XML_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou may call these functions:\n"
