@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_distributed import write_tiny_llama
-from tests.test_server_support import free_port
+from tests.test_distributed_serve import free_port_run
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -66,7 +66,8 @@ def test_the_disk_tier_under_tensor_parallel_ranks(tiny, tmp_path):
 
 
 def test_prefill_and_decode_instances_with_two_ranks_each(tiny):
-    producer = _engine(tiny, **TP2, kv_role="producer", kv_transfer_port=free_port())
+    # rank r listens on the port + r: both must be free, not the first alone
+    producer = _engine(tiny, **TP2, kv_role="producer", kv_transfer_port=free_port_run(2))
     consumer = _engine(tiny, **TP2, kv_role="consumer")
     try:
         reference = _generate(producer, "whole")
