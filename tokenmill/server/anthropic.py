@@ -59,7 +59,7 @@ class AnthropicMessages:
         tools, structured = self._tools(req)
         await p.check_tool_schemas(tools.offered, "tools[{}].input_schema")
         prompt = await self.render(req, tools)
-        job = await p.prepare(req, [prompt], limit, None, structured, model)
+        job = await p.prepare(req, [prompt], limit, None, structured, model, tools.active)
         reasoning = self._reasoning(req, prompt)
         budget = thinking_enabled(req.thinking)[1]
         if budget is not None and reasoning is not None:  # no parser: no thinking is shown

@@ -17,6 +17,7 @@ and all of them before anything is queued, so a bad request never touches the en
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -240,10 +241,12 @@ class RequestPipeline:
 
     async def prepare(self, req: SamplingFields, prompts: list[Prompt], limit: OutputLimit,
                       logprobs: int | None, structured: StructuredOutputs | None = None,
-                      model: ModelChoice | None = None) -> EngineJob:
+                      model: ModelChoice | None = None, tools: bool = False) -> EngineJob:
         """The engine's parameters for these prompts, with the constraint compiled; they run
         under ``model``'s adapter, if it has one. A model served for embeddings or scores
-        generates nothing: that is the client's error, a 400."""
+        generates nothing: that is the client's error, a 400. ``tools``: tool calls are parsed
+        from the output, whose special-token markers (Mistral's ``[TOOL_CALLS]``) the text
+        then keeps where the parser reads them."""
         task = getattr(self.engine.engine, "task", "generate")
         if task != "generate":
             raise invalid("model", f"model: this server runs its model for the {task} task "
@@ -251,6 +254,8 @@ class RequestPipeline:
                           "/v1/rerank and /score, not text generation", "wrong_model_task")
         params = self.rules.params(req, [len(p.ids) for p in prompts], limit, logprobs,
                                    structured)
+        if tools and self.tool_parser.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         grammar = await self.compile(params.structured_outputs)
         return EngineJob(prompts, params, grammar, req.priority, req.cache_salt,
                          req.kv_transfer_params, model)

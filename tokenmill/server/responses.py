@@ -88,7 +88,8 @@ class OpenAIResponses:
         out = self._output(req)
         await p.check_tool_schemas(out.tools.offered, "tools[{}].parameters")
         prompt = await p.render_chat(messages, True, None, out.tools.template_tools(), "input")
-        job = await p.prepare(req, [prompt], limit, out.logprobs, out.structured, model)
+        job = await p.prepare(req, [prompt], limit, out.logprobs, out.structured, model,
+                              out.tools.active)
         # Reasoning items reach no prompt: they are not kept either.
         kept = [i for i in items if not (isinstance(i, dict) and i.get("type") == "reasoning")]
         head = ResponseHead(self._new_id(namespace, given), model.name, req, out.tools_echo,

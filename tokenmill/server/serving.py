@@ -91,7 +91,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         reasoning = self.reasoning_setup(prompt.ids, req.include_reasoning,
                                          req.thinking_token_budget, req.continue_final_message)
-        job = await p.prepare(req, [prompt], limit, logprobs, structured, model)
+        job = await p.prepare(req, [prompt], limit, logprobs, structured, model, tools.active)
         if req.thinking_token_budget is not None:
             job.params = dataclasses.replace(job.params, thinking_budget=self.thinking_budget(
                 req.thinking_token_budget, reasoning))
