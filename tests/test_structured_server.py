@@ -146,14 +146,22 @@ def reassemble(stream):
 
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])
 def test_streamed_tool_calls_reassemble_to_the_same_calls(client, tool_choice):
-    messages = ASK if tool_choice == "required" else [
-        {"role": "system", "content": "Always answer by calling a tool."}, *ASK]
     # One call: greedy, this small model repeats its call until max_tokens when it may make
     # several (the text is then cut mid-call).
-    kw = dict(model=MODEL, messages=messages, tools=TOOLS, tool_choice=tool_choice,
-              temperature=0, max_tokens=150, parallel_tool_calls=False)
+    calls = assert_stream_matches_whole(client, tool_choice, 150, TOOLS, ASK)
+    assert all(c["id"] and c["id"].startswith("call_") for c in calls)
+
+
+def assert_stream_matches_whole(client, tool_choice: str, max_tokens: int, tools: list,
+                                ask: list) -> list[dict]:
+    """``ask`` with ``tools`` answered streamed and whole (one call allowed, greedy): the
+    stream's content, calls and finish reason reassemble to the whole answer's; its calls."""
+    messages = ask if tool_choice == "required" else [
+        {"role": "system", "content": "Always answer by calling a tool."}, *ask]
+    kw = dict(model=MODEL, messages=messages, tools=tools, tool_choice=tool_choice,
+              temperature=0, max_tokens=max_tokens, parallel_tool_calls=False)
     # Each its own cache_salt: reusing the first's prompt blocks changes the second's prefill
-    # shapes, and with them bf16 rounding (batch invariance is issue 47's); this test is about
+    # shapes, and with them bf16 rounding (batch invariance is issue 47's); this is about
     # reassembling a stream, not about that.
     whole = client.chat.completions.create(
         **kw, extra_body={"cache_salt": f"whole-{tool_choice}"}).choices[0]
@@ -163,9 +171,9 @@ def test_streamed_tool_calls_reassemble_to_the_same_calls(client, tool_choice):
     assert (content or None) == whole.message.content
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
-    assert all(c["id"] and c["id"].startswith("call_") for c in calls)
     if tool_choice == "required":
         assert calls and finish == "tool_calls"
+    return calls
 
 
 def test_required_with_parallel_calls_may_call_several(client):

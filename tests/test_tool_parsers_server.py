@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.test_server_support import MODEL, server_fixtures
+from tests.test_structured_server import assert_stream_matches_whole
 from tests.test_tool_parsers_model import ASK, SCHEMA_OF, TOOLS
 
 pytestmark = pytest.mark.slow
@@ -33,21 +34,6 @@ server, client = server_fixtures("--tool-call-parser", "qwen3_coder",
                                  "--trust-request-chat-template")
 
 
-def reassemble(stream):
-    calls, content, finish = {}, "", None
-    for chunk in stream:
-        for d in chunk.choices:
-            finish = d.finish_reason or finish
-            content += d.delta.content or ""
-            for tc in d.delta.tool_calls or ():
-                call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-                call["id"] = tc.id or call["id"]
-                if tc.function is not None:
-                    call["name"] += tc.function.name or ""
-                    call["arguments"] += tc.function.arguments or ""
-    return content, [calls[i] for i in sorted(calls)], finish
-
-
 @pytest.mark.parametrize("template", [None, XML_TEMPLATE], ids=["default", "xml-template"])
 @pytest.mark.parametrize("tool_choice", ["required",
                                          {"type": "function", "function": {"name": "add"}}],
@@ -66,21 +52,7 @@ def test_forced_xml_calls_parse_and_validate(client, tool_choice, template):
 
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])
 def test_streamed_xml_calls_reassemble_to_the_same_calls(client, tool_choice):
-    messages = ASK if tool_choice == "required" else [
-        {"role": "system", "content": "Always answer by calling a tool."}, *ASK]
-    kw = dict(model=MODEL, messages=messages, tools=TOOLS, tool_choice=tool_choice,
-              temperature=0, max_tokens=120, parallel_tool_calls=False)
-    # Each its own cache_salt, so that both prefill the same shapes (see test_structured_server).
-    whole = client.chat.completions.create(
-        **kw, extra_body={"cache_salt": f"whole-{tool_choice}"}).choices[0]
-    content, calls, finish = reassemble(client.chat.completions.create(
-        **kw, stream=True, extra_body={"cache_salt": f"streamed-{tool_choice}"}))
-    assert finish == whole.finish_reason
-    assert (content or None) == whole.message.content
-    assert [(c["name"], c["arguments"]) for c in calls] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
-    if tool_choice == "required":
-        assert calls and finish == "tool_calls"
+    assert_stream_matches_whole(client, tool_choice, 120, TOOLS, ASK)
 
 
 def test_call_history_through_the_xml_template(client):
