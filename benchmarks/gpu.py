@@ -51,7 +51,8 @@ MODEL = "smollm2-135m-instruct"
 
 def engine_options(args) -> dict:
     return dict(device=args.device, dtype=args.dtype, quantization=args.quantization,
-                kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager)
+                kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+                async_scheduling=args.async_scheduling)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -82,7 +83,9 @@ def single(args) -> dict:
             "tokens_per_s": round(1 / tpot, 1), "engine": engine_facts(llm)}
 
 
-def offline(args, n: int) -> dict:
+def offline(args, n: int, profiler=None) -> dict:
+    """Output tok/s of ``n`` requests at once; with ``profiler`` (a ``cProfile.Profile``) the
+    timed run is profiled."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(args.model, max_num_seqs=n, max_num_batched_tokens=max(8192, args.input_len * 8),
@@ -93,7 +96,11 @@ def offline(args, n: int) -> dict:
     batch = prompts(n, args.input_len, vocab, 2)
     before = llm.engine.stats()
     t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     outs = llm.generate(batch, params, use_tqdm=False)
+    if profiler is not None:
+        profiler.disable()
     elapsed = time.perf_counter() - t0
     after = llm.engine.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -187,6 +194,10 @@ def serve(args, concurrencies: list[int]) -> list[dict]:
            "--max-num-seqs", str(max(concurrencies))]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if args.async_scheduling:
+        cmd.append("--async-scheduling")
+    if args.engine_process:
+        cmd.append("--engine-process")
     proc = subprocess.Popen(cmd, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     try:
@@ -294,6 +305,20 @@ def quality(args) -> dict:
             "first_divergences": {n: divergences(n) for n in settings}}
 
 
+def profile_offline(args, n: int) -> dict:
+    """Where the host's time goes in an offline run of ``n`` requests: the functions with the
+    most own time (cProfile; the figures run slower than unprofiled ones)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    run = offline(args, n, profiler=prof)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+    return {"requests": n, "profiled_run": run, "tottime_top40": buf.getvalue()}
+
+
 def engine_facts(llm) -> dict:
     info = llm.engine.info
     return {"dtype": info.dtype, "attention_backend": info.attention_backend,
@@ -315,6 +340,10 @@ def main() -> None:
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="overlap the host's work with the step in flight (engine/overlap.py)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the serve part runs the engine core in its own process")
     ap.add_argument("--parts", default="single,kernels,steps,offline,serve,quality")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -344,6 +373,9 @@ def main() -> None:
         for n in ints(args.offline):
             result["offline"].append(offline(args, n))
             print(json.dumps(result["offline"][-1]), flush=True)
+    if "profile" in parts:  # the largest --offline size, profiled
+        result["profile"] = profile_offline(args, max(ints(args.offline)))
+        print(result["profile"]["tottime_top40"], flush=True)
     if "serve" in parts:
         result["serve"] = serve(args, ints(args.serve))
     if "cpu-reference" in parts:

@@ -120,3 +120,28 @@ def test_real_model_greedy_graphs_on_equals_off_equals_cpu():
     assert outs["graphs"] == outs["eager"]
     same = sum(a == b for x, y in zip(outs["graphs"], outs["cpu"]) for a, b in zip(x, y))
     assert same / sum(map(len, outs["cpu"])) >= 0.95, same
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_overlapped_scheduling_equals_plain_on_cuda(tmp_path):
+    """bf16, graphs and the fused kernels: overlapped scheduling (the next step launched
+    before this one's outputs are built) gives the plain engine's tokens and logprobs, greedy
+    and seeded, with requests joining mid-run."""
+    pytest.importorskip("triton")
+    from tests.tiny_models import make_hf_model, save_hf_model, write_word_tokenizer
+    from tokenmill import LLM, SamplingParams
+
+    model = make_hf_model("llama")
+    path = save_hf_model(model, tmp_path / "hf")
+    write_word_tokenizer(path, model.config.vocab_size)
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(5 + 3 * i)] for i in range(24)]
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=8 + i,
+                             logprobs=1, ignore_eos=True) for i in range(24)]
+    runs = []
+    for flag in (False, True):
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=16,
+                  max_num_batched_tokens=64, async_scheduling=flag)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, [e.logprob for e in o.outputs[0].logprobs])
+                     for o in outs])
+    assert runs[0] == runs[1]
