@@ -131,7 +131,9 @@ def _attend_block(q, m, l, acc, b, seq, low, visible, num_keys, offs_d, d_ok, kv
     return m_new, l, acc
 
 
-@triton.jit
+# the batch's sizes change every step: not specialised on (a value of 1, a multiple of 16), so
+# one compiled variant serves every batch instead of a compile mid-serving per new combination
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _paged_attention(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_out_ptr,
         part_lse_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr,
@@ -229,7 +231,7 @@ def _paged_attention(
             tl.store(part_lse_ptr + row, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, num_tokens,
                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                   NUM_SPLITS: tl.constexpr):

@@ -9,7 +9,7 @@ today one ``ModelRunner`` in the engine's process (``UniProcExecutor``); a multi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,23 @@ if TYPE_CHECKING:
     from tokenmill.request import LoRARequest
     from tokenmill.runner.rows import RowMasks
     from tokenmill.sched.output import ModelOutput, SchedulerOutput
+
+
+class DeferredStep(Future):
+    """A step launched on the calling thread, whose device runs it meanwhile: ``result()``
+    waits for it there (no step thread, so no GIL hand-over between two Python threads)."""
+
+    def __init__(self, finish: Callable[[], ModelOutput]) -> None:
+        super().__init__()
+        self._finish = finish
+
+    def result(self, timeout: float | None = None) -> ModelOutput:
+        if not self.done():
+            try:
+                self.set_result(self._finish())
+            except BaseException as e:  # handed to the caller, as a step thread's would be
+                self.set_exception(e)
+        return super().result(timeout)
 
 
 class ExecutorError(RuntimeError):

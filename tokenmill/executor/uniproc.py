@@ -6,12 +6,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import LoRAError
-from tokenmill.executor.base import Executor, ExecutorError
+from tokenmill.executor.base import DeferredStep, Executor, ExecutorError
 from tokenmill.executor.worker import Worker, WorkerSpec, build_worker
 from tokenmill.kv_transfer.worker import IDLE_POLL_SECONDS
 from tokenmill.sched.output import ModelOutput
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from tokenmill.kv_transfer.worker import ConnectorWorker
     from tokenmill.request import LoRARequest
     from tokenmill.runner.lora import LoRAManager
@@ -62,6 +64,17 @@ class UniProcExecutor(Executor):
         result.kv_connector_output = self.connector.get_finished(
             wait=0.0 if out.scheduled else IDLE_POLL_SECONDS)
         return result
+
+    def launch(self, out: SchedulerOutput, masks: RowMasks | None = None,
+               draft_probs: Mapping[str, Sequence[object | None]] | None = None
+               ) -> Future[ModelOutput]:
+        """On a GPU the step is queued from the calling thread and waited for at ``result()``;
+        a CPU's forward computes on the step thread (``Executor.launch``)."""
+        worker = self.worker
+        if worker is None or worker.device.type != "cuda" or self.connector is not None \
+                or not out.scheduled:
+            return super().launch(out, masks, draft_probs)
+        return DeferredStep(worker.launch(out.scheduled, masks, draft_probs))
 
     def on_step_thread(self) -> None:
         device = self.worker.device if self.worker is not None else None

@@ -131,6 +131,22 @@ class ModelRunner:
         logits = self._governed(lambda: self.forward(logits_view(chunks)))
         return sample_step(self.sampler, chunks, logits, masks, draft_probs)
 
+    @torch.inference_mode()
+    def launch(self, chunks: Sequence[ScheduledChunk], masks: RowMasks | None = None,
+               draft_probs: Mapping[str, Sequence[torch.Tensor | None]] | None = None
+               ) -> Callable[[], ModelOutput]:
+        """``execute`` in two halves: the forward and the sampling queued on the GPU, and a
+        function that waits for the sampled ids (overlapped scheduling builds the last step's
+        outputs in between, on the same thread). A step whose sampling needs the host first
+        (grammar masks, drafts, prompt scoring, pooling), or a CPU's, runs whole here."""
+        if self.device.type != "cuda" or masks is not None or draft_probs or \
+                prompt_scoring(chunks) or any(c.request.pooling_params is not None
+                                              for c in chunks):
+            done = self.execute(chunks, masks, draft_probs)
+            return lambda: done
+        pending = self.sampler.launch(self.forward(chunks), sampling_rows(chunks), owned=True)
+        return lambda: accept_tokens(chunks, pending.result())
+
     def _governed(self, run: Callable[[], Any]) -> Any:
         """``run`` under the thread governor, where there is one."""
         return self.governor.run(run) if self.governor else run()
