@@ -85,8 +85,9 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
         action="store_const", const=True,
         help="run every step layer by layer from Python: no CUDA graphs of the decode step "
              "on a GPU, no fused C++ decoder step on a CPU")),
-    ("--async-scheduling", "async_scheduling", dict(action="store_const", const=True, help=(
-        "prepare and launch the next step while this step's text and outputs are built"))),
+    ("--async-scheduling", "async_scheduling", dict(action=argparse.BooleanOptionalAction, help=(
+        "prepare and launch the next step while this step's text and outputs are built "
+        "(default: on for one GPU worker, off on a CPU)"))),
     ("--num-threads", "num_threads", dict(
         type=int, help="CPU threads of the forward (unset: chosen from the usable cores)")),
     ("--kv-cache-memory", "kv_cache_memory", dict(

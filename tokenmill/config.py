@@ -120,7 +120,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" | "priority" | "lpm" (longest cached prefix first)
     # overlap: schedule and launch step N+1 before step N's detokenization and outputs
     # (engine/overlap.py); the same outputs token for token
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: on for one GPU worker (engine/plan.py)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -113,7 +113,7 @@ class LLMEngine(OverlappedSteps):
         plan = make_plan(config)
         pooling = PoolingSetup.for_plan(plan, config.task)  # refuses a task before the load
         engine = cls(**vars(build_engine_parts(config, plan)))
-        engine.async_scheduling = config.scheduler.async_scheduling
+        engine.async_scheduling = plan.async_scheduling.startswith("on")
         engine.serve(pooling)
         return engine
 

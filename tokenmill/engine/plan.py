@@ -73,6 +73,7 @@ class ExecutionPlan:
     thread_governor: bool  # one thread while other processes take the cores (runner/threads.py)
     cpu_step: str  # "fused", or "eager: <why>" (runner/cpu_step.py)
     cuda_graphs: str  # "decode batches up to N", or "off: <why>"
+    async_scheduling: str  # "on: <why>" or "off: <why>" (engine/overlap.py)
     max_num_seqs: int
     speculative: dict[str, Any] = field(default_factory=dict)  # empty when off
     max_batched_tokens: int = 2048
@@ -146,6 +147,7 @@ class ExecutionPlan:
             "max_model_len": self.max_model_len,
             "threads": {"count": self.threads, "governor": self.thread_governor},
             "cpu_step": self.cpu_step, "cuda_graphs": self.cuda_graphs,
+            "async_scheduling": self.async_scheduling,
             "speculative": self.speculative or "off",
             "parallel": self._describe_parallel(),
             "kv_transfer": self._describe_kv_transfer(),
@@ -233,6 +235,7 @@ def make_plan(config: EngineConfig, machine: Machine | None = None) -> Execution
         cpu_step=_cpu_step(config, machine, model_cfg, backend, linear,
                            bool(stored_block_formats(source))),
         cuda_graphs=_cuda_graphs(config, machine, backend),
+        async_scheduling=_async_scheduling(config, machine),
         max_num_seqs=config.scheduler.max_num_seqs, speculative=speculative,
         max_batched_tokens=config.scheduler.max_num_batched_tokens, parallel=config.parallel,
         layout=layout, kv_transfer=config.kv_transfer, lora=config.lora)
@@ -414,3 +417,17 @@ def _cuda_graphs(config: EngineConfig, machine: Machine, backend: str) -> str:
     if backend != "triton":
         return f"off: the {backend} attention backend is not graph-safe"
     return f"decode batches up to {config.scheduler.max_num_seqs}"
+
+
+def _async_scheduling(config: EngineConfig, machine: Machine) -> str:
+    """Overlapped scheduling: on by default where the device computes while the engine's
+    thread builds outputs (one GPU worker: 1.05-1.4x offline on an H100, docs/benchmarks.md);
+    off on a CPU, whose forward takes the cores the overlap would need."""
+    asked = config.scheduler.async_scheduling
+    if asked is not None:
+        return f"{'on' if asked else 'off'}: asked for"
+    if not machine.on_gpu:
+        return "off: a CPU's forward takes the cores (--async-scheduling turns it on)"
+    if config.parallel.distributed:
+        return "off: parallel ranks (--async-scheduling turns it on)"
+    return "on: one GPU worker queues each step while the last one's outputs are built"
