@@ -338,12 +338,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=60.0,
                    help="a step running longer turns /health into 503 until it ends (default: 60)")
     p.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)  # engine/faults.py
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
-                   help="the engine in a process of its own, apart from HTTP (default: off)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine in a process of its own, apart from HTTP (default: on for "
+                        "one GPU generating text, off on a CPU)")
     from tokenmill.engine.lora_modules import add_lora_args
+    from tokenmill.server.limits import add_limit_args
 
     add_lora_args(p)
-    _add_limit_args(p)
+    add_limit_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -392,57 +394,6 @@ def _serve_data_parallel(args: argparse.Namespace, options: dict) -> int:
     return run_data_parallel(DataParallelConfig(
         size=args.data_parallel_size, serve_argv=tuple(argv), router=router,
         may_share_cores="num_threads" in options, gpus=gpus), serve_router)
-
-
-def _add_limit_args(p: argparse.ArgumentParser) -> None:
-    from tokenmill.server.limits import RequestLimits
-
-    d = RequestLimits()
-    g = p.add_argument_group("request limits (each checked before any work; 400, or 413 for "
-                             "the body)")
-    g.add_argument("--max-request-bytes", dest="max_body_bytes", type=int,
-                   default=d.max_body_bytes, help="request body size (default: 32 MiB)")
-    g.add_argument("--max-prompt-chars", type=int, default=None,
-                   help="characters of one prompt (or a conversation's messages) before "
-                        "tokenizing (default: the longest text the context can hold, "
-                        "max-model-len x the longest token)")
-    g.add_argument("--max-n", type=int, default=d.max_n,
-                   help=f"choices per request (default: {d.max_n})")
-    g.add_argument("--max-request-tokens", type=int, default=None,
-                   help="tokens one request may ask to generate: prompts x n x max_tokens "
-                        "(default: the KV cache's size in tokens)")
-    g.add_argument("--max-stop", type=int, default=d.max_stop,
-                   help=f"stop strings per request (stop_token_ids: 4x; default: {d.max_stop})")
-    g.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
-                   help=f"characters of one stop string (default: {d.max_stop_chars})")
-    g.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
-                   help=f"logit_bias entries (default: {d.max_logit_bias})")
-    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                   help=f"logprobs / top_logprobs (default and most: {d.max_logprobs})")
-    g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="render chat templates sent in requests (chat_template); they run in "
-                        "a separate process under a time and memory bound. Off: such "
-                        "requests get a 400")
-    g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout,
-                   help="seconds a request's own chat template may render (default: "
-                        f"{d.chat_template_timeout:g})")
-
-
-def _limits(args: argparse.Namespace):
-    from tokenmill.params import MAX_LOGPROBS
-    from tokenmill.server.limits import RequestLimits
-
-    if args.max_logprobs > MAX_LOGPROBS:
-        raise ValueError(f"--max-logprobs must be <= {MAX_LOGPROBS}")
-    limits = RequestLimits(
-        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
-        max_n=args.max_n, max_request_tokens=args.max_request_tokens, max_stop=args.max_stop,
-        max_stop_chars=args.max_stop_chars, max_logit_bias=args.max_logit_bias,
-        max_logprobs=args.max_logprobs,
-        trust_request_chat_template=args.trust_request_chat_template,
-        chat_template_timeout=args.chat_template_timeout)
-    limits.check()
-    return limits
 
 
 def _make_llm(args: argparse.Namespace):
@@ -541,6 +492,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if options.get("node_rank", 0) > 0:  # another node's ranks: no engine, no server here
         return _run_headless(args, options)
     from tokenmill.server.app import ServerSettings, run_server
+    from tokenmill.server.limits import limits_from_args
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
@@ -550,12 +502,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or args.model, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
-        tool_call_parser=args.tool_call_parser, limits=_limits(args),
+        tool_call_parser=args.tool_call_parser, limits=limits_from_args(args),
         reasoning_parser=args.reasoning_parser,
         public_metrics=args.public_metrics, step_timeout=args.step_timeout,
         allow_runtime_lora=args.allow_runtime_lora or os.environ.get(
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1"))
-    if args.engine_process:  # scheduler, model, sampling, detokenization: engine/core_proc.py
+    from tokenmill.engine.core_client import engine_process_choice
+
+    separate, why = engine_process_choice(args, options)
+    print(f"tokenmill: the engine core runs "
+          f"{'in its own process' if separate else 'in this process'}: {why}", file=sys.stderr)
+    if separate:  # scheduler, model, sampling, detokenization: engine/core_proc.py
         from tokenmill.engine.core_client import start_core
 
         return run_server(start_core(args, options, settings.model_name), settings, args.log_level)

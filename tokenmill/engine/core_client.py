@@ -58,6 +58,28 @@ logger = logging.getLogger("tokenmill.engine.core")
 _POLL_MS = 1000  # how often a wait on the core checks that it still runs
 
 
+def engine_process_choice(args: argparse.Namespace, options: Mapping[str, Any]
+                          ) -> tuple[bool, str]:
+    """Whether ``serve`` runs the engine core in a process of its own, and why. Unasked: on
+    for one GPU worker serving text generation (an H100 server 1.6-1.75x at c=64-256,
+    docs/benchmarks.md); off on a CPU (10-30% there, for ~260 MiB more and a second copy of
+    the tokenizer), for parallel ranks (not tried behind it) and for pooling models (pooled
+    vectors do not cross its channel)."""
+    from tokenmill.engine.pooling_requests import serving_task
+
+    if args.engine_process is not None:
+        return args.engine_process, "asked for"
+    if not str(options.get("device", "cpu")).startswith("cuda"):
+        return False, "a CPU (--engine-process turns it on)"
+    if any(options.get(k, 1) > 1 for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                             "nnodes")):
+        return False, "parallel ranks (--engine-process turns it on)"
+    task = serving_task(args.model, options.get("task"))
+    if task != "generate":
+        return False, f"the {task} task: pooled vectors do not cross its channel"
+    return True, "one GPU worker generating text: HTTP apart from the step loop"
+
+
 def start_core(args: argparse.Namespace, options: dict,
                served_model_name: str) -> EngineCoreClient:
     """``tokenmill serve --engine-process``: spawn the core for the engine ``args`` and

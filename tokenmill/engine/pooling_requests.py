@@ -137,6 +137,18 @@ class PoolingSetup:
                              f"dimensions, not {dimensions}")
 
 
+def serving_task(model: str, task_option: str | None) -> str:
+    """The task ``model`` serves under ``--task task_option``, from its files' metadata alone
+    (no weights, no device): what ``PoolingSetup.for_plan`` will find, before a load."""
+    from tokenmill.model.config_reader import read_model_config
+
+    task = TASK_ALIASES.get(task_option, task_option)
+    if task:
+        return task
+    source, cfg = read_model_config(model)
+    return _model_pooling(str(source.path), cfg, None).task
+
+
 def _model_pooling(model: str, cfg: ModelConfig, task: str | None) -> ModelPooling:
     """The model's defaults; a sentence-transformers set-up tokenmill cannot pool is an error
     only where the model is to pool (not under ``--task generate``)."""

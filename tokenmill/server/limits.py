@@ -4,6 +4,7 @@ the body, checked by the app as it arrives)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -41,3 +42,53 @@ class RequestLimits:
             value = getattr(self, f.name)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be > 0, got {value}")
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """``serve``'s flags for ``RequestLimits``."""
+    d = RequestLimits()
+    g = p.add_argument_group("request limits (each checked before any work; 400, or 413 for "
+                             "the body)")
+    g.add_argument("--max-request-bytes", dest="max_body_bytes", type=int,
+                   default=d.max_body_bytes, help="request body size (default: 32 MiB)")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="characters of one prompt (or a conversation's messages) before "
+                        "tokenizing (default: the longest text the context can hold, "
+                        "max-model-len x the longest token)")
+    g.add_argument("--max-n", type=int, default=d.max_n,
+                   help=f"choices per request (default: {d.max_n})")
+    g.add_argument("--max-request-tokens", type=int, default=None,
+                   help="tokens one request may ask to generate: prompts x n x max_tokens "
+                        "(default: the KV cache's size in tokens)")
+    g.add_argument("--max-stop", type=int, default=d.max_stop,
+                   help=f"stop strings per request (stop_token_ids: 4x; default: {d.max_stop})")
+    g.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                   help=f"characters of one stop string (default: {d.max_stop_chars})")
+    g.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
+                   help=f"logit_bias entries (default: {d.max_logit_bias})")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help=f"logprobs / top_logprobs (default and most: {d.max_logprobs})")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat templates sent in requests (chat_template); they run in "
+                        "a separate process under a time and memory bound. Off: such "
+                        "requests get a 400")
+    g.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout,
+                   help="seconds a request's own chat template may render (default: "
+                        f"{d.chat_template_timeout:g})")
+
+
+def limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    """The ``RequestLimits`` the flags of ``add_limit_args`` ask for."""
+    from tokenmill.params import MAX_LOGPROBS
+
+    if args.max_logprobs > MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be <= {MAX_LOGPROBS}")
+    limits = RequestLimits(
+        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+        max_n=args.max_n, max_request_tokens=args.max_request_tokens, max_stop=args.max_stop,
+        max_stop_chars=args.max_stop_chars, max_logit_bias=args.max_logit_bias,
+        max_logprobs=args.max_logprobs,
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_timeout=args.chat_template_timeout)
+    limits.check()
+    return limits
