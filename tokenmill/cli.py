@@ -342,10 +342,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the engine in a process of its own, apart from HTTP (default: on for "
                         "one GPU generating text, off on a CPU)")
     from tokenmill.engine.lora_modules import add_lora_args
+    from tokenmill.server.dashboard_args import add_dashboard_args
     from tokenmill.server.limits import add_limit_args
+    from tokenmill.server.observe import add_observe_args
 
     add_lora_args(p)
     add_limit_args(p)
+    add_observe_args(p)
+    add_dashboard_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -492,7 +496,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if options.get("node_rank", 0) > 0:  # another node's ranks: no engine, no server here
         return _run_headless(args, options)
     from tokenmill.server.app import ServerSettings, run_server
+    from tokenmill.server.dashboard_args import dashboard_settings
     from tokenmill.server.limits import limits_from_args
+    from tokenmill.server.observe import observe_settings
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
@@ -506,7 +512,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         public_metrics=args.public_metrics, step_timeout=args.step_timeout,
         allow_runtime_lora=args.allow_runtime_lora or os.environ.get(
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1"))
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1"),
+        observe=observe_settings(args),
+        **dashboard_settings(args))
     from tokenmill.engine.core_client import engine_process_choice
 
     separate, why = engine_process_choice(args, options)
@@ -542,9 +550,23 @@ def _cmd_eval_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_progress() -> None:
+    """Long operations (loading weights, building kernels, capturing CUDA graphs, scoring)
+    draw a bar on stderr when it is a terminal, or with TOKENMILL_PROGRESS=1 (0: never);
+    stdout, where JSON goes, never gets one."""
+    import os
+
+    from tokenmill.util import set_progress_display, terminal_progress
+
+    wanted = os.environ.get("TOKENMILL_PROGRESS")
+    if wanted == "1" or (wanted is None and sys.stderr.isatty()):
+        set_progress_display(terminal_progress)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: replicas reuse it
+    _show_progress()
     try:
         return args.func(args)
     except (TokenmillError, ValueError) as e:

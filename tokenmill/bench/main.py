@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tokenmill.bench import workloads as wl
 from tokenmill.bench.client import BenchClient, RunConfig
+from tokenmill.bench.replay import add_replay_parser
 from tokenmill.bench.report import format_table, parse_slo, summarize
 
 
@@ -30,6 +31,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="JSON of all points; appended to when it exists (one line per server)")
     sweep.add_argument("--plot", default="sweep.png", help="PNG: throughput vs TTFT p99 / TPOT")
     sweep.set_defaults(func=cmd_bench_sweep)
+    add_replay_parser(bsub)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -113,7 +115,9 @@ async def run_once(args: argparse.Namespace, reqs: list[wl.BenchRequest], tok,
         if args.warmup:  # prompts of their own, so no server's prefix cache is primed by them
             await client.run(wl.random_workload(tok, args.warmup, 32, 8, seed=args.seed + 7919,
                                                 vocab=tok.vocab_size))
-        with tqdm(total=len(reqs), desc="requests", disable=args.no_progress) as bar:
+        # None: a bar only when stderr is a terminal (never in a log or piped output)
+        with tqdm(total=len(reqs), desc="requests", disable=True if args.no_progress else None
+                  ) as bar:
             results, duration = await client.run(reqs, lambda: bar.update(1))
     finally:
         await client.close()

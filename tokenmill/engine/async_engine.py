@@ -142,6 +142,11 @@ class AsyncEngine:
         # step() for its outputs: a command must end that wait, as it ends the idle one.
         self._wake: Callable[[], None] | None = getattr(engine, "wake", None)
 
+    def in_flight(self) -> list[RequestStream]:
+        """The requests running or waiting now (a snapshot; the dashboard's table). The
+        dict belongs to the loop thread; copying its values is one C call under the GIL."""
+        return list(self._streams.values())
+
     @property
     def info(self) -> EngineInfo:
         return self.engine.info

@@ -35,7 +35,7 @@ import torch
 from tokenmill.config import DEFAULT_MODEL, EngineConfig, engine_option_default
 from tokenmill.errors import TokenmillError
 from tokenmill.runner.batch import Chunk
-from tokenmill.util import cdiv
+from tokenmill.util import cdiv, tracked
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm_engine import LLMEngine
@@ -163,7 +163,8 @@ def score_ids(runner: ModelRunner, ids: Sequence[int], context: int, stride: int
                         f"cache has {runner.num_blocks} (raise --kv-cache-memory)")
     warm_up(runner, ids[:min(chunk, longest)], table)
     t0 = time.perf_counter()
-    nll = sum(score_window(runner, ids, w, chunk, table) for w in windows)
+    nll = sum(score_window(runner, ids, w, chunk, table)
+              for w in tracked(windows, "scoring", len(windows), "windows"))
     return nll, windows, time.perf_counter() - t0
 
 

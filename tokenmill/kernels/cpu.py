@@ -24,6 +24,7 @@ import shutil
 import sys
 import sysconfig
 import time
+from contextlib import nullcontext
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -31,6 +32,7 @@ from types import ModuleType
 import torch
 
 from tokenmill.platform import cpu_flags
+from tokenmill.util import progress
 
 log = logging.getLogger("tokenmill.kernels")
 
@@ -95,7 +97,10 @@ def load() -> ModuleType | None:
         # compiling) leaves behind, and every later load then waits on it forever. Builds take
         # an OS lock here instead, released when its holder dies; whoever holds it may remove
         # a lock file left over.
-        with open(path / "tokenmill-build.lock", "w") as lock:
+        # a first build takes minutes: a terminal shows it going (util.progress)
+        building = progress("building the CPU kernels (once per machine)") if fresh \
+            else nullcontext()
+        with open(path / "tokenmill-build.lock", "w") as lock, building:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (path / "lock").unlink(missing_ok=True)
             module = cpp_extension.load(name="tokenmill_cpu_ops", sources=[str(SOURCE)],

@@ -23,6 +23,7 @@ from tokenmill.model.registry import model_class
 from tokenmill.model.sharding import rank_slice, stage_name
 from tokenmill.model_source import ModelSource, resolve_model
 from tokenmill.platform import Machine
+from tokenmill.util import tracked
 
 if TYPE_CHECKING:
     from tokenmill.kernels.triton_fused import FusedOps
@@ -187,7 +188,8 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         weights = adapt(weights)
     params = dict(module.named_parameters())
     loaded: set[str] = set()
-    for name, tensor in weights:
+    for name, tensor in tracked(weights, f"loading {origin.rsplit('/', 1)[-1]}",
+                                unit="tensors"):
         if "rotary_emb.inv_freq" in name:
             continue
         if name == "lm_head.weight" and getattr(module.config, "tie_word_embeddings", False):

@@ -5,7 +5,8 @@ in PD mode ``pd.py``, over the prefill and decode workers), but loading or unloa
 adapter goes to every worker (``adapters.py``);
 ``/v1/models`` lists what the healthy workers (and the model launcher) serve, their LoRA
 adapters included (with their ``parent``); ``/health``,
-``/metrics`` and ``/workers`` describe the router itself. The pool is ``app.state.pool``, so a
+``/metrics`` and ``/workers`` describe the router itself; ``/dashboard`` shows each worker's
+figures (``dashboard.py``). The pool is ``app.state.pool``, so a
 launcher can add and remove workers while the router runs.
 """
 
@@ -28,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenmill.router.adapters import LORA_ADMIN_PATHS, broadcast
 from tokenmill.router.config import RouterConfig
+from tokenmill.router.dashboard import add_dashboard_routes
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import Policy, make_policy
 from tokenmill.router.pd import PDProxy
@@ -245,8 +247,10 @@ def build_app(cfg: RouterConfig, launcher: ModelLauncher | None = None) -> FastA
         return openai_error(500, f"the router failed: {e!r}", type="server_error",
                             code="router_error")
 
+    key_check = Depends(_key_check(cfg.api_keys))
     _add_own_routes(app, router)
-    _add_forwarded_routes(app, router, Depends(_key_check(cfg.api_keys)))
+    add_dashboard_routes(app, router, key_check)
+    _add_forwarded_routes(app, router, key_check)
     return app
 
 

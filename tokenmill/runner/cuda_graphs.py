@@ -27,7 +27,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.runner.batch import SeqChunk, padded_tables
-from tokenmill.util import cdiv
+from tokenmill.util import cdiv, tracked
 
 log = logging.getLogger("tokenmill.runner")
 
@@ -139,7 +139,9 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
         pool = None
-        for rows in reversed(self.buckets):  # largest first: the rest fit in its pool
+        # largest first: the rest fit in its pool
+        for rows in tracked(reversed(self.buckets), "capturing CUDA graphs",
+                            len(self.buckets), "graphs"):
             self._forward(rows)  # warm-up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

@@ -27,6 +27,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.plan import format_plan
 from tokenmill.request import PromptError, check_vocabulary
 from tokenmill.server.anthropic import add_anthropic_routes
+from tokenmill.server.dashboard import DASHBOARD_PUBLIC_PATHS, add_dashboard_routes
 from tokenmill.server.embeddings import add_pooling_routes
 from tokenmill.server.health import Watchdog, probe
 from tokenmill.server.limits import RequestLimits
@@ -39,6 +40,8 @@ from tokenmill.server.middleware import (
     key_matches,
 )
 from tokenmill.server.models import add_model_routes
+from tokenmill.server.observe import (ObservedPipeline, ObserveMiddleware, Observer,
+                                      ObserveSettings)
 from tokenmill.server.openapi import install_openapi
 from tokenmill.server.pipeline import RequestPipeline
 from tokenmill.server.protocol import (
@@ -76,6 +79,10 @@ class ServerSettings:
     step_timeout: float = 60.0  # a step running longer turns /health into 503
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (--allow-runtime-lora)
     allow_runtime_lora: bool = False
+    # tracing, the request log and dumps (server/observe.py); all off by default
+    observe: ObserveSettings = field(default_factory=ObserveSettings)
+    metrics_prefix: str = "tokenmill"  # /metrics names are <prefix>:<name> (vllm: vLLM's own)
+    dashboard_show_prompts: bool = False  # /dashboard lists the start of each prompt
 
 
 # Routes anyone may call when an API key is set: liveness and what the server is, nothing about
@@ -88,21 +95,25 @@ def create_app(engine: LLMEngine | EngineCoreClient, settings: ServerSettings) -
     """An app serving ``engine``: an ``LLMEngine``, or with ``--engine-process`` the client of
     one in its own process (``engine/core_client.py``); its loop starts with the app's
     lifespan."""
-    metrics = ServerMetrics(settings.model_name)
+    metrics = ServerMetrics(settings.model_name, settings.metrics_prefix)
     async_engine = AsyncEngine(engine, settings.max_queued_requests, listener=metrics)
     metrics.attach(async_engine)
-    pipeline = RequestPipeline(async_engine, settings.model_name, metrics,
-                               settings.tool_call_parser, settings.limits)
+    observer = Observer.build(settings.observe, async_engine, settings.model_name)  # None: off
+    pipeline = (ObservedPipeline if observer else RequestPipeline)(
+        async_engine, settings.model_name, metrics, settings.tool_call_parser, settings.limits)
     watchdog = Watchdog(async_engine, settings.step_timeout)
     app = FastAPI(title="tokenmill", version=tokenmill.__version__,
-                  lifespan=_lifespan(pipeline, watchdog, settings))
+                  lifespan=_lifespan(pipeline, watchdog, settings, observer))
     app.state.engine = async_engine
     app.state.pipeline = pipeline
     app.state.watchdog = watchdog
     _install_error_handlers(app)
+    if observer is not None:  # innermost: sees requests past the key and the size limit
+        app.add_middleware(ObserveMiddleware, observer=observer)
     app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
     if settings.api_key:
-        public = _PUBLIC_PATHS | ({"/metrics"} if settings.public_metrics else set())
+        public = _PUBLIC_PATHS | DASHBOARD_PUBLIC_PATHS | (
+            {"/metrics"} if settings.public_metrics else set())
         app.add_middleware(BearerAuth, api_key=settings.api_key, public=public)
     reasoning = get_reasoning_parser(settings.reasoning_parser) \
         if settings.reasoning_parser else None
@@ -114,11 +125,14 @@ def create_app(engine: LLMEngine | EngineCoreClient, settings: ServerSettings) -
     add_model_routes(app, pipeline.models, settings.allow_runtime_lora)
     _add_health_routes(app, async_engine, settings, watchdog)
     _add_admin_routes(app, pipeline, metrics)
+    add_dashboard_routes(app, async_engine, metrics, settings.model_name,
+                         settings.dashboard_show_prompts)
     install_openapi(app)
     return app
 
 
-def _lifespan(pipeline: RequestPipeline, watchdog: Watchdog, settings: ServerSettings
+def _lifespan(pipeline: RequestPipeline, watchdog: Watchdog, settings: ServerSettings,
+              observer: Observer | None = None
               ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """The engine loop and the watchdog run while the app does; at the end the engine drains
     (running requests get ``shutdown_timeout``) before the worker pool closes."""
@@ -128,11 +142,17 @@ def _lifespan(pipeline: RequestPipeline, watchdog: Watchdog, settings: ServerSet
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         watch = asyncio.create_task(watchdog.run())
+        if observer is not None:
+            observer.start(watchdog)
         _log_start(engine, settings)
         yield
         watch.cancel()
+        if observer is not None:
+            observer.stop_watching()  # a clean stop is no crash to dump
         await engine.shutdown(settings.shutdown_timeout)
         pipeline.close()
+        if observer is not None:
+            await observer.close()
 
     return lifespan
 

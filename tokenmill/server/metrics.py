@@ -1,19 +1,24 @@
 """Prometheus metrics named like vLLM's (``vllm:`` -> ``tokenmill:``), labelled by model_name.
 
 Counters and histograms are fed by the engine loop thread through ``StatsListener``; gauges are
-read from the engine's published snapshot at scrape time.
+read from the engine's published snapshot at scrape time. ``--metrics-prefix vllm`` names them
+exactly as vLLM does, for dashboards and routers written against vLLM. Finished requests'
+latencies also go to a rolling window, the dashboard's percentiles of the last minutes.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.async_engine import AsyncEngine, RequestTimings
+from tokenmill.engine.async_types import EngineSnapshot
 from tokenmill.request import RequestOutput
+from tokenmill.server.dashboard_window import LatencyWindow
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -22,23 +27,60 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
-class ServerMetrics:
-    """One registry per app, so tests can build several apps in one process."""
+DEFAULT_PREFIX = "tokenmill"
 
-    def __init__(self, model_name: str):
+
+class ServerMetrics:
+    """One registry per app, so tests can build several apps in one process. Every name is
+    ``<prefix>:<name>`` (``tokenmill`` by default; ``vllm`` gives vLLM's own names, and adds
+    the older names vLLM still exports for its dashboards)."""
+
+    def __init__(self, model_name: str, prefix: str = DEFAULT_PREFIX):
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.prefix = prefix
+        self.window = LatencyWindow()  # the last minutes' latencies, for the dashboard
         self._engine: AsyncEngine | None = None
-        r, lab = self.registry, ["model_name"]
+        self._add_gauges()
+        self._add_counters()
+        self._add_latencies()
+        self.req_prompt = self._histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                          _TOKEN_BUCKETS)
+        self.req_gen = self._histogram("request_generation_tokens",
+                                       "Generated tokens per request.", _TOKEN_BUCKETS)
+        self.iteration = self._histogram("iteration_tokens_total", "Tokens per engine step.",
+                                         _TOKEN_BUCKETS)
+        self.registry.register(_EngineCounters(self))
+        self.registry.register(_LoRAInfo(self))
 
-        def gauge(name: str, doc: str, read) -> None:
-            g = Gauge(f"tokenmill:{name}", doc, lab, registry=r)
-            g.labels(model_name).set_function(lambda: read(self._engine.snapshot)
-                                              if self._engine else 0.0)
+    def _gauge(self, name: str, doc: str, read: Callable[[EngineSnapshot], float]) -> None:
+        g = Gauge(self.name(name), doc, ["model_name"], registry=self.registry)
+        g.labels(self.model_name).set_function(
+            lambda: read(self._engine.snapshot) if self._engine else 0.0)
 
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ("model_name",)) -> Counter:
+        c = Counter(self.name(name), doc, labels, registry=self.registry)
+        if len(labels) == 1:
+            c.labels(self.model_name)  # export zeros from the start
+        return c
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        h = Histogram(self.name(name), doc, ["model_name"], buckets=buckets,
+                      registry=self.registry)
+        h.labels(self.model_name)  # export an empty histogram from the start
+        return h
+
+    def _add_gauges(self) -> None:
+        gauge = self._gauge
         gauge("num_requests_running", "Requests running on the engine.", lambda s: s.num_running)
         gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
+        gauge("num_requests_swapped", "Always 0: tokenmill preempts by recomputing and never "
+              "swaps a request's KV out (vLLM v0's name, which its dashboards read).",
+              lambda s: 0.0)
         gauge("kv_cache_usage_perc", "KV cache usage, 0 to 1.", lambda s: s.kv_cache_usage)
+        if self.prefix == "vllm":  # vLLM's older name of the same, which routers still read
+            gauge("gpu_cache_usage_perc", "KV cache usage, 0 to 1 (kv_cache_usage_perc).",
+                  lambda s: s.kv_cache_usage)
         gauge("kv_cache_blocks", "Usable KV cache blocks.", lambda s: s.stats.num_blocks)
         gauge("kv_cache_free_blocks", "KV cache blocks free for new tokens (never used, or "
               "cached and evictable).", lambda s: s.stats.num_free_blocks)
@@ -49,12 +91,8 @@ class ServerMetrics:
         gauge("kv_held_requests", "Finished prefills whose KV blocks wait for a decode "
               "instance to pull them.", lambda s: s.stats.num_held)
 
-        def counter(name: str, doc: str, labels=lab):
-            return Counter(f"tokenmill:{name}", doc, labels, registry=r)
-
-        def histogram(name: str, doc: str, buckets):
-            return Histogram(f"tokenmill:{name}", doc, lab, buckets=buckets, registry=r)
-
+    def _add_counters(self) -> None:
+        counter = self._counter
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Preemptions.")
@@ -65,27 +103,35 @@ class ServerMetrics:
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits",
                                    "Prompt tokens whose KV came from the prefix cache.")
+
+    def _add_latencies(self) -> None:
+        histogram = self._histogram
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
                               _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.",
                              _LATENCY_BUCKETS)
+        # vLLM's older name of the same, still read by its example dashboards
+        self.itl_alias = histogram("time_per_output_token_seconds", "Time between output "
+                                   "tokens (inter_token_latency_seconds).", _LATENCY_BUCKETS) \
+            if self.prefix == "vllm" else None
+        self.tpot = histogram("request_time_per_output_token_seconds", "Per request: first "
+                              "to last token over the tokens after the first.", _LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                _E2E_BUCKETS)
-        self.req_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.",
-                                    _TOKEN_BUCKETS)
-        self.req_gen = histogram("request_generation_tokens", "Generated tokens per request.",
-                                 _TOKEN_BUCKETS)
-        self.iteration = histogram("iteration_tokens_total", "Tokens per engine step.",
-                                   _TOKEN_BUCKETS)
-        r.register(_EngineCounters(self))
-        r.register(_LoRAInfo(self))
-        for c in (self.prompt_tokens, self.generation_tokens, self.preemptions, self.rejections,
-                  self.prefix_queries, self.prefix_hits):
-            c.labels(model_name)  # export zeros from the start
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first "
+                                 "token.", _E2E_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to last token.",
+                                _E2E_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds", "First scheduled to "
+                                   "last token.", _E2E_BUCKETS)
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
+
+    def name(self, name: str) -> str:
+        """A metric's exported name: ``name`` under this registry's prefix."""
+        return f"{self.prefix}:{name}"
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -113,12 +159,38 @@ class ServerMetrics:
         self.req_gen.labels(m).observe(t.num_tokens)
         if t.first_token is not None:
             self.ttft.labels(m).observe(t.first_token - t.arrival)
-        for gap in t.token_gaps:
-            self.itl.labels(m).observe(gap)
+        for itl in (self.itl, self.itl_alias) if self.itl_alias else (self.itl,):
+            for gap in t.token_gaps:
+                itl.labels(m).observe(gap)
         if t.finished is not None:
             self.e2e.labels(m).observe(t.finished - t.arrival)
         if t.scheduled is not None:
             self.queue.labels(m).observe(t.scheduled - t.arrival)
+        self._phases(t)
+        self._to_window(t)
+
+    def _phases(self, t: RequestTimings) -> None:
+        """vLLM's per-request phases: prefill (scheduled to first token), decode (first to
+        last token), inference (both), and the mean time per output token after the first."""
+        m = self.model_name
+        if t.scheduled is None or t.first_token is None or t.last_token is None:
+            return  # aborted before its first token: no phase ended
+        self.prefill.labels(m).observe(t.first_token - t.scheduled)
+        self.decode.labels(m).observe(t.last_token - t.first_token)
+        self.inference.labels(m).observe(t.last_token - t.scheduled)
+        if t.num_tokens > 1:
+            self.tpot.labels(m).observe((t.last_token - t.first_token) / (t.num_tokens - 1))
+
+    def _to_window(self, t: RequestTimings) -> None:
+        """The same observations as the histograms above, kept for the dashboard's window."""
+        window = self.window
+        if t.first_token is not None:
+            window.observe("ttft", (t.first_token - t.arrival,))
+        window.observe("itl", t.token_gaps)
+        if t.finished is not None:
+            window.observe("e2e", (t.finished - t.arrival,))
+        if t.scheduled is not None:
+            window.observe("queue", (t.scheduled - t.arrival,))
 
 
 class _LoRAInfo:
@@ -137,7 +209,7 @@ class _LoRAInfo:
         if stats is None or not stats.max_loras:
             return
         gauge = GaugeMetricFamily(
-            "tokenmill:lora_requests_info", "Running and waiting requests' LoRA adapters "
+            self._metrics.name("lora_requests_info"), "Running and waiting requests' LoRA adapters "
             "(labels); the value is when they were read (Unix time).",
             labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
         gauge.add_metric([self._metrics.model_name, str(stats.max_loras),
@@ -186,13 +258,12 @@ class _EngineCounters:
     def __init__(self, metrics: ServerMetrics):
         self._metrics = metrics
 
-    @staticmethod
-    def _ranks(engine, model: list[str]):
+    def _ranks(self, engine, model: list[str]):
         """Tensor / pipeline parallel ranks: how long since each was heard from."""
         ages = engine.heartbeat_ages() if engine is not None else {}
         if not ages:
             return
-        gauge = GaugeMetricFamily("tokenmill:worker_heartbeat_age_seconds",
+        gauge = GaugeMetricFamily(self._metrics.name("worker_heartbeat_age_seconds"),
                                   "Seconds since each worker rank's last heartbeat.",
                                   labels=["model_name", "rank"])
         for rank, age in ages.items():
@@ -202,14 +273,14 @@ class _EngineCounters:
     def _tiers(self, stats, model: list[str]):
         labels = ["model_name", "tier"]
         for name, doc, field in self._TIER_COUNTERS:
-            family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            family = CounterMetricFamily(self._metrics.name(name), doc, labels=labels)
             for tier, counts in stats.kv_tiers.items():
                 family.add_metric([*model, tier], getattr(counts, field))
             yield family
         for name, doc, field in (("kv_tier_blocks", "KV blocks the tier holds.",
                                   "stored_blocks"),
                                  ("kv_tier_bytes", "Bytes the tier holds.", "stored_bytes")):
-            gauge = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=labels)
+            gauge = GaugeMetricFamily(self._metrics.name(name), doc, labels=labels)
             for tier, counts in stats.kv_tiers.items():
                 gauge.add_metric([*model, tier], getattr(counts, field))
             yield gauge
@@ -219,7 +290,7 @@ class _EngineCounters:
         stats = engine.snapshot.stats if engine is not None else None
         model = [self._metrics.model_name]
         for name, doc, field in self._COUNTERS:
-            family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            family = CounterMetricFamily(self._metrics.name(name), doc, labels=["model_name"])
             family.add_metric(model, getattr(stats, field) if stats is not None else 0.0)
             yield family
         yield from self._ranks(engine, model)
@@ -229,10 +300,10 @@ class _EngineCounters:
         if spec is None:
             return
         for name, doc, field in self._SPEC_COUNTERS:
-            family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            family = CounterMetricFamily(self._metrics.name(name), doc, labels=["model_name"])
             family.add_metric(model, getattr(spec, field))
             yield family
-        family = CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+        family = CounterMetricFamily(self._metrics.name("spec_decode_num_accepted_tokens_per_pos"),
                                      "Accepted draft tokens by their index in the drafts.",
                                      labels=["model_name", "position"])
         for position, count in enumerate(spec.accepted_per_position):
@@ -243,6 +314,6 @@ class _EngineCounters:
                  "since start.", spec.acceptance_rate),
                 ("spec_decode_mean_accepted_length", "Tokens per verification (accepted "
                  "drafts + the target's own), since start.", spec.mean_accepted_length)):
-            gauge = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            gauge = GaugeMetricFamily(self._metrics.name(name), doc, labels=["model_name"])
             gauge.add_metric(model, value)
             yield gauge
