@@ -8,9 +8,11 @@ Parts (medians of ``--rounds``, the prefix cache flushed before each timed run):
 - ``fork``: ``fork(4)`` over a shared ``--prefix-words`` context, each branch generating
   ``--gen-tokens`` greedy tokens, against four independent requests carrying the same context,
   sent at once (wall seconds);
-- ``loglikelihood``: lm-eval's scoring requests (``echo``, ``logprobs: 1``, ``max_tokens: 0``):
+- ``loglikelihood``: lm-eval's scoring requests (``echo``, ``logprobs: 1``, ``--max-tokens``:
+  0 scores without generating, 1 is what lm-eval's ``local-completions`` sends):
   ``--items`` four-choice items as one request per choice, ``--concurrency`` at a time
-  (requests per second).
+  (requests per second). Any OpenAI-compatible server that returns prompt logprobs can be
+  timed this way (vLLM: ``benchmarks/peers/peers.py serve vllm``).
 
 Prints one JSON object with the CPU model (benchmarks/machine.py).
 """
@@ -80,7 +82,7 @@ def fork_part(args, model: str) -> dict:
 def loglikelihood_part(args, model: str) -> dict:
     rng = random.Random(0)
     bodies = [{"model": model, "prompt": context(60, i) + " answer: " + rng.choice(WORDS),
-               "echo": True, "logprobs": 1, "max_tokens": 0}
+               "echo": True, "logprobs": 1, "max_tokens": args.max_tokens}
               for i in range(args.items) for _ in range(4)]
     flush(args.url)
 
@@ -105,6 +107,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--items", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=0, help="loglikelihood: 0 or 1")
     args = ap.parse_args()
     model = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
     out: dict = {"machine": machine(), "model": model, "settings": vars(args)}

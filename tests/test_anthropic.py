@@ -18,7 +18,7 @@ from pydantic import TypeAdapter
 
 from tests.test_server_support import MODEL, server_fixtures
 from tokenmill.request import CompletionOutput, FinishReason, RequestOutput
-from tokenmill.server.anthropic_format import MessagesFormatter
+from tokenmill.server.anthropic_format import MessagesFormatter, thinking_signature
 from tokenmill.server.reasoning import ReasoningSetup, get_reasoning_parser
 from tokenmill.server.tools.parsers import get_tool_parser
 
@@ -94,7 +94,8 @@ THOUGHT_AND_CALL = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.
 def test_thinking_text_and_tool_use_blocks_whole():
     body = _formatter(tools=True).response([_output(THOUGHT_AND_CALL)])
     assert body["content"] == [
-        {"type": "thinking", "thinking": "The user wants weather.", "signature": ""},
+        {"type": "thinking", "thinking": "The user wants weather.",
+         "signature": thinking_signature("The user wants weather.")},
         {"type": "text", "text": "Let me check."},
         {"type": "tool_use", "id": "toolu_0", "name": "get_weather", "input": {"city": "Paris"}}]
     assert (body["stop_reason"], body["stop_sequence"]) == ("tool_use", None)
@@ -127,7 +128,8 @@ def test_thinking_left_out_when_turned_off_and_plain_text_without_parsers():
     assert body["content"] == [{"type": "text", "text": "<think>x</think>Hi"}]
     assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", "STOP")
     cut = _formatter().response([_output("<think>\nstill going", FinishReason.LENGTH)])
-    assert cut["content"] == [{"type": "thinking", "thinking": "still going", "signature": ""}]
+    assert cut["content"] == [{"type": "thinking", "thinking": "still going",
+                               "signature": thinking_signature("still going")}]
     assert cut["stop_reason"] == "max_tokens"
 
 
@@ -150,7 +152,10 @@ def _serve_takes(*flags: str) -> bool:
 # think, which the thinking test reads.
 REASONING = ("--reasoning-parser", "qwen3")
 HAS_REASONING = _serve_takes(*REASONING)
-server, _client = server_fixtures("--dtype", "float32", *(REASONING if HAS_REASONING else ()))
+# 2 running and 2 queued requests at most: more at once are tokenmill's overload (a 529 here)
+server, _client = server_fixtures("--dtype", "float32", "--max-num-seqs", "2",
+                                  "--max-queued-requests", "2",
+                                  *(REASONING if HAS_REASONING else ()))
 
 
 @pytest.fixture(scope="module")
@@ -244,10 +249,11 @@ def test_thinking_blocks_from_the_reasoning_parser(server, client):
     kw = dict(model=MODEL, max_tokens=16, messages=turns, extra_body=GREEDY)
     whole = client.messages.create(**kw)
     assert whole.content[0].type == "thinking" and whole.content[0].thinking
-    assert whole.content[0].signature == ""
+    assert len(whole.content[0].signature) == 32  # a digest of the thinking: stable
     with client.messages.stream(**kw) as stream:
         streamed = stream.get_final_message()
     assert streamed.content[0].thinking == whole.content[0].thinking
+    assert streamed.content[0].signature == whole.content[0].signature
     hidden = client.messages.create(thinking={"type": "disabled"}, **kw)
     assert all(b.type != "thinking" for b in hidden.content)
     assert hidden.usage.output_tokens == whole.usage.output_tokens
@@ -375,6 +381,32 @@ def test_bad_requests_get_anthropic_errors(server, body, status, kind, names):
     assert r.status_code == status, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind, r.text
     assert names in r.json()["error"]["message"], r.text
+
+
+def test_overload_is_anthropics_529_with_retry_after(server):
+    """More requests at once than run and queue: the rest get Anthropic's overloaded_error
+    with status 529 (which the SDK retries after Retry-After); the others are served."""
+    async def run():
+        sdk = anthropic.AsyncAnthropic(base_url=server.url, api_key="unused", max_retries=0,
+                                       timeout=120)
+
+        async def one():
+            try:
+                return await sdk.messages.create(model=MODEL, max_tokens=12, messages=ASK,
+                                                 extra_body={**GREEDY, "ignore_eos": True})
+            except anthropic.APIStatusError as e:
+                return e
+        return await asyncio.gather(*(one() for _ in range(8)))
+
+    results = asyncio.run(run())
+    refused = [r for r in results if isinstance(r, anthropic.APIStatusError)]
+    assert refused and len(refused) <= 4, results
+    for e in refused:
+        assert isinstance(e, anthropic.OverloadedError) and e.status_code == 529
+        assert e.body == {"type": "error", "error": {"type": "overloaded_error",
+                                                     "message": e.body["error"]["message"]}}
+        assert int(e.response.headers["retry-after"]) >= 1
+    assert all(r.usage.output_tokens == 12 for r in results if r not in refused)
 
 
 def test_malformed_json_and_the_sdk_errors(server, client):

@@ -103,12 +103,36 @@ def test_responses_reasoning_item(client):
     kinds = [item.type for item in response.output]
     assert kinds == ["reasoning", "message"]
     assert response.output[0].content[0].text == _extra(chat, "reasoning")
-    events = [e.type for e in client.responses.create(
+    events = list(client.responses.create(
         model="smollm2-135m-instruct", input=QUESTION, temperature=0, max_output_tokens=16,
-        stream=True)]
-    assert "response.reasoning_text.delta" in events
-    assert events.index("response.reasoning_text.done") < events.index(
+        stream=True))
+    types = [e.type for e in events]
+    assert types.index("response.reasoning_text.done") < types.index(
         "response.output_text.done")
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    done = next(e for e in events if e.type == "response.reasoning_text.done")
+    assert deltas == done.text == response.output[0].content[0].text
+    final = events[-1].response  # response.completed: the same items as the whole response
+    assert [(i.type, i.content[0].text) for i in final.output] == \
+        [(i.type, i.content[0].text) for i in response.output]
+
+
+def test_responses_reasoning_effort_is_a_thinking_budget(server, client):
+    """effort none closes the thinking at once, as thinking_token_budget 0 does on chat; a
+    summary, or an effort OpenAI does not name, is a 400."""
+    chat = client.chat.completions.create(
+        model=None, messages=MESSAGES, temperature=0, max_tokens=16,
+        extra_body={"thinking_token_budget": 0}).choices[0].message
+    response = client.responses.create(model="smollm2-135m-instruct", input=QUESTION,
+                                       temperature=0, max_output_tokens=16,
+                                       reasoning={"effort": "none"})
+    assert [i.type for i in response.output] == ["message"]
+    assert response.output[0].content[0].text == chat.content
+    assert response.reasoning.effort == "none"
+    for reasoning in ({"effort": "high", "summary": "auto"}, {"effort": "extreme"}):
+        r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={
+            "input": QUESTION, "max_output_tokens": 2, "reasoning": reasoning})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning", r.text
 
 
 SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "

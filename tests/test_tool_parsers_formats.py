@@ -193,35 +193,51 @@ def samples(name: str) -> list[str]:
     written = p.format_calls(CALLS)
     return [written, p.format_calls(CALLS[1:2]), f"  {written}  \nThat's all.",
             f"Let me see. {p.format_calls(CALLS[:1])} ok", p.format_calls([("f", TRICKY)]),
-            written[: len(written) * 2 // 3], written[:-1], "plain [text] {here}", " "]
+            "plain [text] {here}", " ", written[: len(written) * 2 // 3], written[:-1]]
 
 
-def _check_chunkings(name: str, text: str, chunkings) -> None:
+CUT = 7  # samples from here on may cut a call off after it opened (ToolCallStreamer)
+
+
+def like_parse(parsed: ParsedMessage, streamed: ParsedMessage) -> bool:
+    """``parse``'s message, but for calls opened and then cut off: more calls, ``parse``'s
+    among them in order, and less content."""
+    if streamed == parsed:
+        return True
+    it = iter((c.name, c.arguments) for c in streamed.tool_calls)
+    return (len(streamed.tool_calls) > len(parsed.tool_calls)
+            and all(any((c.name, c.arguments) == s for s in it) for c in parsed.tool_calls)
+            and len(streamed.content or "") < len(parsed.content or ""))
+
+
+def _check_chunkings(name: str, text: str, chunkings, exact: bool = True) -> None:
+    whole = reassemble(name, [text])
     expected = parser(name).parse(text)
+    assert whole == expected if exact else like_parse(expected, whole), (name, text)
     for chunks in chunkings:
-        assert reassemble(name, chunks) == expected, (name, chunks)
+        assert reassemble(name, chunks) == whole, (name, chunks)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_stream_in_every_one_or_two_cut_chunking_matches_parse(name):
-    for text in samples(name):
+    for i, text in enumerate(samples(name)):
         n = len(text)
         chunkings = [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, n)]
         if n <= 60:  # every chunking into three pieces as well
             chunkings += [[text[:i], text[i:j], text[j:]]
                           for i in range(1, n) for j in range(i + 1, n)]
-        _check_chunkings(name, text, chunkings)
+        _check_chunkings(name, text, chunkings, exact=i < CUT)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_stream_in_random_chunkings_matches_parse(name):
     rng = random.Random(7)
-    for text in samples(name):
+    for i, text in enumerate(samples(name)):
         chunkings = []
         for _ in range(30):
             cuts = sorted(rng.sample(range(1, max(len(text), 2)), min(len(text) - 1, 6)))
             chunkings.append([text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])])
-        _check_chunkings(name, text, chunkings)
+        _check_chunkings(name, text, chunkings, exact=i < CUT)
 
 
 _PIECES = {
@@ -244,7 +260,48 @@ def test_stream_matches_parse_on_generated_text(name, data):
     rng = random.Random(data.draw(st.integers(0, 1000)))
     cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 4))) if text else []
     chunks = [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
-    assert reassemble(name, chunks) == parser(name).parse(text)
+    whole = reassemble(name, [text])
+    assert reassemble(name, chunks) == whole
+    assert like_parse(parser(name).parse(text), whole)
+
+
+STREAMING = ["hermes", "llama3_json", "mistral", "qwen3_coder"]  # arguments sent as written
+TEXTY = [("get_weather", {"city": 'a "quoted" \\ line\n\nnext </param é\n', "days": 12}),
+         ("f", TRICKY)]
+
+
+@pytest.mark.parametrize("name", STREAMING)
+def test_stream_sends_arguments_while_they_are_written(name):
+    text = parser(name).format_calls(TEXTY)
+    streamer = parser(name).streamer()
+    sent = []  # (characters fed so far, call index) of each arguments delta
+    for i, ch in enumerate(text):
+        for delta in streamer.feed(ch):
+            for call in delta.get("tool_calls", ()):
+                if call["function"]["arguments"]:
+                    sent.append((i, call["index"]))
+    first_call_end = len(parser(name).format_calls(TEXTY[:1]))
+    early = [i for i, index in sent if index == 0 and i < first_call_end - 1]
+    assert len(early) > 10, sent  # the first call's arguments went out in many pieces
+    assert reassemble(name, list(text)) == parser(name).parse(text)
+
+
+@pytest.mark.parametrize("name", STREAMING)
+def test_stream_cut_anywhere_sends_a_prefix_of_the_arguments(name):
+    """Output cut off at every character: the calls streamed are the whole text's calls, the
+    last one's arguments a prefix of its arguments (or, before it opened, parse's content)."""
+    written = parser(name).format_calls(CALLS + TEXTY)
+    full = [(c.name, c.arguments) for c in parser(name).parse(written).tool_calls]
+    for n in range(len(written) + 1):
+        streamed = reassemble(name, [written[:n]])
+        calls = [(c.name, c.arguments) for c in streamed.tool_calls]
+        assert [c[0] for c in calls] == [c[0] for c in full[:len(calls)]], (n, calls)
+        assert calls[:-1] == full[:max(len(calls) - 1, 0)]
+        if calls:
+            assert full[len(calls) - 1][1].startswith(calls[-1][1]), (n, calls[-1])
+        assert streamed.content in (None, parser(name).parse(written[:n]).content), n
+        if n % 7 == 0:
+            assert reassemble(name, list(written[:n])) == streamed
 
 
 def test_stream_sends_a_call_as_soon_as_its_block_closes():

@@ -24,7 +24,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from tokenmill.params import ConstraintError, StructuredOutputs
-from tokenmill.server.anthropic_format import MessagesFormatter, error_body
+from tokenmill.server.anthropic_format import MessagesFormatter, anthropic_status, error_body
 from tokenmill.server.anthropic_request import (CountTokensRequest, MessagesRequest, bad,
                                                 chat_messages, chat_tool_choice, chat_tools,
                                                 output_format, prefill, refuse_unsupported,
@@ -158,7 +158,8 @@ def _tool_error(e: ToolsError) -> APIError:
 # ----- errors in Anthropic's shape ------------------------------------------------------------
 
 def anthropic_error(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
+    return JSONResponse(error_body(error), status_code=anthropic_status(error),
+                        headers=error.headers)
 
 
 def validation_error(e: RequestValidationError) -> APIError:

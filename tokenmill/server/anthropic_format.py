@@ -10,6 +10,7 @@ the whole text once and gets the blocks a stream ends with.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -31,9 +32,23 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 def error_body(error: APIError) -> dict[str, Any]:
     """An API error as Anthropic shapes it: ``{"type": "error", "error": {type, message}}``."""
-    kind = _ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500
-                            else "api_error")
+    kind = _ERROR_TYPES.get(anthropic_status(error), "invalid_request_error"
+                            if error.status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def anthropic_status(error: APIError) -> int:
+    """The HTTP status Anthropic's clients expect: the server's overload (its 503 with
+    Retry-After) is Anthropic's 529, which their SDKs retry after the Retry-After delay."""
+    return 529 if error.status == 503 and error.code == "overloaded" else error.status
+
+
+def thinking_signature(thinking: str) -> str:
+    """A thinking block's ``signature``: nothing is encrypted here, so it is a digest of the
+    thinking text, the same for a streamed and a whole answer (clients that drop unsigned
+    thinking blocks keep these)."""
+    return hashlib.blake2b(thinking.encode("utf-8", "surrogatepass"),
+                           digest_size=16).hexdigest()
 
 
 class DeltaStreamer(Protocol):
@@ -221,9 +236,20 @@ class MessagesFormatter(OutputFormatter):
             return
         index = len(self.blocks) - 1
         if self._open["type"] == "tool_use":
-            self._open["input"] = json.loads("".join(self._json.pop(index, [])) or "{}")
-        if self._open["type"] == "thinking":  # no signature: nothing here is encrypted
+            self._open["input"] = _tool_input("".join(self._json.pop(index, [])))
+        if self._open["type"] == "thinking":
+            signature = self._open["signature"] = thinking_signature(self._open["thinking"])
             events.append({"type": "content_block_delta", "index": index,
-                           "delta": {"type": "signature_delta", "signature": ""}})
+                           "delta": {"type": "signature_delta", "signature": signature}})
         events.append({"type": "content_block_stop", "index": index})
         self._open = None
+
+
+def _tool_input(text: str) -> dict[str, Any]:
+    """A tool_use block's input from the JSON streamed for it; {} when the output was cut off
+    in the middle of it (the stop reason, max_tokens, says so)."""
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

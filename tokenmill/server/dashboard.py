@@ -42,11 +42,11 @@ def add_dashboard_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetri
     page = asset("dashboard.html")
     files = {name: asset(name) for name in _ASSETS}
 
-    @app.get("/dashboard", include_in_schema=False)
+    @app.get("/dashboard")
     async def dashboard() -> Response:
         return Response(page, media_type="text/html; charset=utf-8", headers=_HEADERS)
 
-    @app.get("/dashboard/data", include_in_schema=False)
+    @app.get("/dashboard/data")
     async def dashboard_data() -> Response:
         return JSONResponse(view.data(), headers={"Cache-Control": "no-store"})
 

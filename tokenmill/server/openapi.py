@@ -411,6 +411,10 @@ Statuses = dict[int, tuple[str, Body]]
 
 PROMETHEUS_TEXT = MediaBody("text/plain", {"type": "string"})
 PLAIN_TEXT = MediaBody("text/plain", {"type": "string"})
+HTML_PAGE = MediaBody("text/html", {"type": "string"})
+JS_TEXT = MediaBody("text/javascript", {"type": "string"})
+CSS_TEXT = MediaBody("text/css", {"type": "string"})
+JSON_OBJECT = MediaBody("application/json", {"type": "object"})
 
 _BAD = "invalid request (a malformed body, a value out of range, a prompt too long)"
 _AUTH = "missing or wrong API key (only when the server runs with one)"
@@ -442,7 +446,9 @@ def _anthropic(model: type[BaseModel], what: str) -> Statuses:
     """Anthropic-shaped errors, but for the middleware's 401 and 413 (OpenAI-shaped)."""
     return {200: (what, model), 400: (_BAD, AnthropicErrorBody), 401: (_AUTH, ErrorBody),
             404: (_NOT_FOUND, AnthropicErrorBody), 413: (_TOO_LARGE, ErrorBody),
-            500: (_FAILED, AnthropicErrorBody), 503: (_UNAVAILABLE, AnthropicErrorBody)}
+            500: (_FAILED, AnthropicErrorBody), 503: (_UNAVAILABLE, AnthropicErrorBody),
+            529: ("overloaded (Anthropic's overloaded_error); Retry-After says when to try "
+                  "again", AnthropicErrorBody)}
 
 
 ROUTES: dict[str, Statuses] = {
@@ -489,6 +495,13 @@ ROUTES: dict[str, Statuses] = {
     "/server_info": {200: ("how the engine runs", ServerInfo), 401: (_AUTH, ErrorBody)},
     "/metrics": {200: ("Prometheus text exposition", PROMETHEUS_TEXT),
                  401: (_AUTH, ErrorBody)},
+    # the live dashboard (server/dashboard.py): a page and its assets, public; its figures
+    "/dashboard": {200: ("the live dashboard page (it polls /dashboard/data)", HTML_PAGE)},
+    "/dashboard/dashboard.js": {200: ("the dashboard's script", JS_TEXT)},
+    "/dashboard/dashboard.css": {200: ("the dashboard's style", CSS_TEXT)},
+    "/dashboard/data": {200: ("the dashboard's figures: gauges, rates, latency percentiles, "
+                              "requests in flight, the plan", JSON_OBJECT),
+                        401: (_AUTH, ErrorBody)},
 }
 # Routes that stream with ``stream: true``: the JSON model of their events' data, and whether
 # the stream ends with ``data: [DONE]`` (the Responses API ends with its response.* event).
@@ -541,9 +554,10 @@ def _responses(path: str, generated: dict[str, Any]) -> dict[str, Any]:
     out = {str(status): _response(desc, body) for status, (desc, body) in statuses.items()}
     if path in STREAMING:
         out["200"]["content"]["text/event-stream"] = {"schema": _sse_event(*STREAMING[path])}
-    if "503" in out and statuses[503][1] in (ErrorBody, AnthropicErrorBody):
-        out["503"]["headers"] = {"Retry-After": {
-            "description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
+    for code in ("503", "529"):
+        if code in out and statuses[int(code)][1] in (ErrorBody, AnthropicErrorBody):
+            out[code]["headers"] = {"Retry-After": {
+                "description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
     return out
 
 

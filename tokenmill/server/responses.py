@@ -10,11 +10,14 @@ Responses live in an in-memory LRU store (``STORE_SIZE``) for the server's lifet
 divided by tenant: a response is found only with the API key and ``cache_salt`` it was made
 with (to any other it does not exist), so a chosen or guessed id reaches no one else's chain.
 Fields asking for what tokenmill cannot do are 400s (``responses_request.py``);
-``max_tool_calls`` bounds the function calls kept (0: tools not offered).
+``max_tool_calls`` bounds the function calls kept (0: tools not offered); ``reasoning.effort``
+is a thinking budget (``responses_request.EFFORT_BUDGETS``) for a server with a reasoning
+parser, whose output then starts with a ``reasoning`` item.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,14 +32,15 @@ from fastapi.responses import Response
 
 from tokenmill.params import StructuredOutputs
 from tokenmill.server.pipeline import RequestPipeline, given_id
-from tokenmill.server.protocol import APIError, printable
+from tokenmill.server.protocol import APIError, invalid, printable
 from tokenmill.server.reasoning import ReasoningSetup
 from tokenmill.server.responses_format import ResponseHead, ResponsesFormatter
 from tokenmill.server.responses_input import (chat_messages, input_items, output_constraint,
                                               responses_tools, text_format)
 from tokenmill.server.responses_request import (LOGPROBS, ResponsesRequest, bad,
-                                                refuse_unsupported)
+                                                refuse_unsupported, thinking_tokens)
 from tokenmill.server.sampling import OutputLimit
+from tokenmill.server.serving import thinking_budget
 from tokenmill.server.tools.choice import ToolSetup
 
 logger = logging.getLogger("tokenmill.server")
@@ -90,6 +94,10 @@ class OpenAIResponses:
         prompt = await p.render_chat(messages, True, None, out.tools.template_tools(), "input")
         job = await p.prepare(req, [prompt], limit, out.logprobs, out.structured, model,
                               out.tools.active)
+        reasoning = self._reasoning(req, prompt.ids)
+        if reasoning is not None and (budget := thinking_tokens(req)) is not None:
+            job.params = dataclasses.replace(
+                job.params, thinking_budget=thinking_budget(p.tokenizer, budget, reasoning))
         # Reasoning items reach no prompt: they are not kept either.
         kept = [i for i in items if not (isinstance(i, dict) and i.get("type") == "reasoning")]
         head = ResponseHead(self._new_id(namespace, given), model.name, req, out.tools_echo,
@@ -97,9 +105,17 @@ class OpenAIResponses:
         fmt = ResponsesFormatter(head, p.token_text,
                                  p.tool_parser.for_tools(out.tools.choosable) if out.tools.active
                                  else None, out.tools.limit,
-                                 out.logprobs, self._keep,
-                                 self.reasoning(prompt.ids) if self.reasoning else None)
+                                 out.logprobs, self._keep, reasoning)
         return await p.run(job, fmt, req.stream, raw)
+
+    def _reasoning(self, req: ResponsesRequest, prompt_ids: list[int]) -> ReasoningSetup | None:
+        """How the answer's thinking is split off; an effort asked of a server that knows no
+        thinking tags is a 400 ("none" asks for nothing)."""
+        setup = self.reasoning(prompt_ids) if self.reasoning is not None else None
+        if setup is None and thinking_tokens(req):
+            raise invalid("reasoning", "reasoning.effort: this server knows no reasoning "
+                          "tags (start it with --reasoning-parser)", "unsupported_parameter")
+        return setup
 
     def _output(self, req: ResponsesRequest) -> _OutputSetup:
         """What the request asks of the output: tools, one constraint, logprobs."""

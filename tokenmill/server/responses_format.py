@@ -1,10 +1,11 @@
 """The Responses API's formatter: output items and typed stream events from one builder.
 
 Text goes to one message item (opened at its first text, closed at the end); with a tool
-parser each call becomes a function_call item once it is complete. With a reasoning parser the
-thinking comes first, as a reasoning item (``reasoning_text`` content) closed when the answer
-starts. A non-streamed response
-feeds the whole text once and gets the same items a stream ends with.
+parser each call becomes a function_call item, opened when the tool streamer opens the call and
+given ``function_call_arguments.delta`` events as the model writes the arguments (closed at the
+next text or call, or at the end). With a reasoning parser the thinking comes first, as a
+reasoning item (``reasoning_text`` content) closed when the answer starts. A non-streamed
+response feeds the whole text once and gets the same items a stream ends with.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class ResponseHead:
             "previous_response_id": req.previous_response_id,
             "prompt_cache_key": req.prompt_cache_key,
             "prompt_cache_retention": req.prompt_cache_retention,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
             "safety_identifier": req.safety_identifier, "service_tier": "default",
             "store": req.store is not False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -116,7 +117,7 @@ class ResponsesFormatter(OutputFormatter):
         self._index = 0  # its output index
         self._texts: list[str] = []
         self._logprobs: list[dict] = []
-        self._call: tuple[str, str] | None = None  # (call id, name) of a call being sent
+        self._call: dict[str, Any] | None = None  # the function call item being sent
         self._seq = itertools.count()
         self._thinker = reasoning.streamer() if reasoning is not None else None
         self._thought: dict[str, Any] | None = None  # the open reasoning item
@@ -209,6 +210,7 @@ class ResponsesFormatter(OutputFormatter):
             self._close_thought(events)
         if self._streamer is not None:
             self._deltas(self._streamer.finish(), events)
+            self._close_call("completed" if status == "completed" else "incomplete", events)
         if not any(i["type"] != "reasoning" for i in self.items):
             # no answer: one empty message, as OpenAI answers
             self._open_message(events)
@@ -217,18 +219,20 @@ class ResponsesFormatter(OutputFormatter):
         return events
 
     def _deltas(self, deltas: list[dict[str, Any]], events: Events) -> None:
-        """Chat deltas of the tool streamer: content, or a call as (id + name, arguments)."""
+        """Chat deltas of the tool streamer: content, or a call (its id and name, then its
+        arguments in pieces as the model writes them)."""
         for delta in deltas:
             if "content" in delta:
+                self._close_call("completed", events)
                 self._add_text(delta["content"], (), events)
                 continue
             call = delta["tool_calls"][0]
             if self._limit is not None and call["index"] >= self._limit:
                 continue
             if "id" in call:
-                self._call = (call["id"], call["function"]["name"])
+                self._open_call(call["id"], call["function"]["name"], events)
             else:
-                self._add_call(*self._call, call["function"]["arguments"], events)
+                self._add_arguments(call["function"]["arguments"], events)
 
     def _open_message(self, events: Events) -> None:
         self._message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message",
@@ -265,18 +269,33 @@ class ResponsesFormatter(OutputFormatter):
                        "item": self._message})
         self._message = None
 
-    def _add_call(self, call_id: str, name: str, arguments: str, events: Events) -> None:
-        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed",
-                "call_id": call_id, "name": name, "arguments": arguments}
-        index = len(self.items)
+    def _open_call(self, call_id: str, name: str, events: Events) -> None:
+        self._close_call("completed", events)
+        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
+                "status": "in_progress", "call_id": call_id, "name": name, "arguments": ""}
+        self._call = item
         self.items.append(item)
-        where = {"item_id": item["id"], "output_index": index}
-        events.append({"type": "response.output_item.added", "output_index": index,
-                       "item": {**item, "status": "in_progress", "arguments": ""}})
-        events.append({"type": "response.function_call_arguments.delta", **where,
-                       "delta": arguments})
-        events.append({"type": "response.function_call_arguments.done", **where,
-                       "name": name, "arguments": arguments})
+        events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                       "item": dict(item)})
+
+    def _add_arguments(self, text: str, events: Events) -> None:
+        item = self._call
+        item["arguments"] += text
+        events.append({"type": "response.function_call_arguments.delta",
+                       "item_id": item["id"], "output_index": self.items.index(item),
+                       "delta": text})
+
+    def _close_call(self, status: str, events: Events) -> None:
+        """End the function call being sent (``status``: "incomplete" when the output was cut
+        off: its arguments may then be cut short)."""
+        item, self._call = self._call, None
+        if item is None:
+            return
+        item["status"] = status
+        index = self.items.index(item)
+        events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                       "output_index": index, "name": item["name"],
+                       "arguments": item["arguments"]})
         events.append({"type": "response.output_item.done", "output_index": index,
                        "item": item})
 

@@ -1,8 +1,12 @@
 """The body of ``POST /v1/responses`` and the fields it refuses.
 
 Every Responses field asking for something tokenmill cannot do (background runs, reasoning
-effort, built-in tools, stored prompts, ``truncation: "auto"``, ...) is refused with a 400
+summaries, built-in tools, stored prompts, ``truncation: "auto"``, ...) is refused with a 400
 naming the field; Chat Completions fields sent here would be ignored, so they are refused too.
+
+``reasoning.effort`` becomes a thinking budget (``EFFORT_BUDGETS``) on a server started with
+``--reasoning-parser``: the model thinks at most that many tokens, then its closing tag is
+forced (as ``thinking_token_budget`` does on chat). ``none`` closes the thinking at once.
 """
 
 from __future__ import annotations
@@ -72,12 +76,24 @@ def _empty(value: Any) -> bool:
     return value in ({}, [])
 
 
-def _no_reasoning(value: Any) -> bool:
+# reasoning.effort -> the most tokens the model may think (OpenAI's efforts, lowest first)
+EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384,
+                  "xhigh": 32768}
+
+
+def _plain_reasoning(value: Any) -> bool:
+    """An effort (or none), and no summary: summaries are not written here."""
     return isinstance(value, dict) \
         and set(value) <= {"effort", "summary", "generate_summary", "mode"} \
-        and value.get("effort") in (None, "none") \
+        and value.get("effort") in (None, *EFFORT_BUDGETS) \
         and value.get("summary") is None and value.get("generate_summary") is None \
         and value.get("mode") in (None, "standard")
+
+
+def thinking_tokens(req: ResponsesRequest) -> int | None:
+    """The thinking budget ``reasoning.effort`` asks for; None: no effort given."""
+    effort = (req.reasoning or {}).get("effort")
+    return None if effort is None else EFFORT_BUDGETS[effort]
 
 
 def _implicit_cache(value: Any) -> bool:
@@ -105,7 +121,8 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
                                                "diagnostics)")),
     "truncation": (lambda v: v == "disabled", ("only 'disabled' is supported: an input longer "
                                                "than the context is a 400")),
-    "reasoning": (_no_reasoning, "reasoning (effort, summaries, modes) is not supported"),
+    "reasoning": (_plain_reasoning, (f"reasoning summaries and modes are not supported; effort "
+                                     f"takes {', '.join(EFFORT_BUDGETS)}")),
     "service_tier": (lambda v: v in ("auto", "default"),
                      "only 'auto' and 'default' are supported"),
     "response_format": (_never, "a Chat Completions field: the Responses API takes text.format"),

@@ -4,8 +4,9 @@ A parser splits a model's output into content and *blocks*. A block starts where
 syntax opens one (``find_start``: a marker such as ``<tool_call>``, or for families whose whole
 answer is the calls, an opener at the very start) and ends where ``block_end`` says (an end
 marker, or a balanced bracket). A block holds one call or several. ``parse`` and the streamer
-(``streaming.py``) walk the text the same way, so a streamed answer reassembles to exactly what
-``parse`` returns for the whole text (``ToolCallStreamer``):
+(``ToolCallStreamer``) walk the text the same way, so a streamed answer reassembles to what
+``parse`` returns for the whole text (the one exception, a call cut off after it was opened, is
+in ``ToolCallStreamer``'s docstring):
 
 - text outside the blocks is content; the content is the concatenation of those pieces with
   leading and trailing whitespace removed (``str.strip``), ``None`` when nothing is left;
@@ -26,6 +27,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from tokenmill.server.tools.json_stream import CallReader, canonical
 
 IdFactory = Callable[[], str]
 Call = tuple[str, dict[str, Any]]  # (function name, arguments)
@@ -107,6 +110,16 @@ class ToolCallParser(ABC):
         """Lark grammar: free text, but whatever the model writes as a call is a valid call of
         one of ``functions`` (without ``parallel``, text after the first call is free)."""
 
+    def body_extent(self, text: str, body_start: int) -> int:
+        """How far the open block's body may reach in ``text``: the call reader is given no
+        more. Families whose body ends where its syntax ends leave that to the reader."""
+        return len(text)
+
+    def call_reader(self) -> CallReader | None:
+        """A reader that opens calls and streams their arguments while the block is written
+        (``json_stream.py``), or None: calls go out whole when the block closes."""
+        return None
+
     def for_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> ToolCallParser:
         """This parser for one request's tools. Families whose calls carry untyped text (XML
         parameters) read the tools' schemas to type the arguments; the rest ignore them."""
@@ -150,12 +163,9 @@ class ToolCallParser(ABC):
 
 
 def arguments_json(arguments: dict[str, Any]) -> str:
-    text = json.dumps(arguments, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # the model wrote an escaped lone surrogate: keep it escaped
-        text = json.dumps(arguments)
-    return text
+    """Arguments as calls carry them: compact JSON, non-ASCII text kept as it is; a lone
+    surrogate the model wrote as an escape stays escaped (it could not be sent as UTF-8)."""
+    return canonical(arguments)
 
 
 def as_arguments(value: Any) -> dict[str, Any] | None:
@@ -254,9 +264,18 @@ class ToolCallStreamer:
     """Incremental ``parse``: feed text deltas, get OpenAI chat-chunk ``delta`` dicts back.
 
     Content streams as it arrives, except a tail that could still open a block (and whitespace
-    that could turn out to be trailing). A block is held until it closes (or ``finish``); each
-    of its calls is then sent as two deltas: id and name with empty arguments, then all
-    arguments.
+    that could turn out to be trailing). A call is sent as a delta with its id and name (empty
+    arguments), then deltas of its arguments. For a family with a ``call_reader`` the call
+    opens as soon as its name is read and its arguments have begun, and its arguments go out
+    as the model writes them, re-written as ``parse`` writes them, so for a block that decodes
+    the deltas concatenate to ``parse``'s arguments whatever the chunking. Other families'
+    calls (and calls whose arguments the reader cannot stream) are sent when the block closes.
+
+    A call once opened is never taken back. If its block then fails to decode (the output was
+    cut off mid-call, or the text stops being the family's syntax), that call keeps the
+    arguments sent so far and the block's text is not content; ``parse``, which sees the whole
+    text, keeps such a block as content. That is the one place where the stream and ``parse``
+    differ, and it depends only on the text, never on how it was chunked.
     """
 
     def __init__(self, parser: ToolCallParser) -> None:
@@ -266,6 +285,9 @@ class ToolCallStreamer:
         self._consumed = 0  # characters decided and dropped from _buf so far
         self._content = _ContentStripper()
         self._next_index = 0
+        self._reader: CallReader | None = None  # the open block's call reader
+        self._read = 0  # how much of the open block's body the reader was given
+        self._opened: list[list[Any]] = []  # the open block's calls sent: [index, arguments]
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self._buf += delta
@@ -290,6 +312,7 @@ class ToolCallStreamer:
         """Consume what can be decided in _buf; True if the state changed and it may go on."""
         p = self._parser
         if self._body >= 0:
+            self._read_body(p.body_extent(self._buf, self._body), out)
             ends = p.block_end(self._buf, self._body, final)
             if ends is None:
                 return False
@@ -303,6 +326,7 @@ class ToolCallStreamer:
         start, body = found
         self._take(start, out)
         self._body = body - start
+        self._reader, self._read, self._opened = p.call_reader(), 0, []
         return True
 
     def _take(self, n: int, out: list[dict[str, Any]]) -> None:
@@ -311,19 +335,52 @@ class ToolCallStreamer:
         self._buf = self._buf[n:]
         self._consumed += n
 
+    def _read_body(self, upto: int, out: list[dict[str, Any]]) -> None:
+        """Give the call reader the body up to ``upto``; send the calls it opens and their
+        arguments, one delta per call."""
+        start = self._body + self._read
+        if self._reader is None or upto <= start:
+            return
+        pieces = self._reader.feed(self._buf[start:upto])
+        self._read = upto - self._body
+        merged: dict[int, list[str]] = {}
+        for number, name, text in pieces:
+            if name is not None:
+                self._opened.append([self._open_call(name, out), ""])
+            merged.setdefault(number, []).append(text)
+        for number, texts in merged.items():
+            self._send_arguments(number, "".join(texts), out)
+
+    def _open_call(self, name: str, out: list[dict[str, Any]]) -> int:
+        index, self._next_index = self._next_index, self._next_index + 1
+        out.append({"tool_calls": [{"index": index, "id": self._parser.id_factory(),
+                                    "type": "function",
+                                    "function": {"name": name, "arguments": ""}}]})
+        return index
+
+    def _send_arguments(self, number: int, text: str, out: list[dict[str, Any]]) -> None:
+        if text:
+            call = self._opened[number]
+            call[1] += text
+            out.append({"tool_calls": [{"index": call[0], "function": {"arguments": text}}]})
+
     def _close_block(self, body_end: int, end: int, out: list[dict[str, Any]]) -> None:
-        calls = self._parser.make_calls(self._buf[self._body:body_end])
-        if calls is None:
+        self._read_body(body_end, out)
+        decoded = self._parser.decode_block(self._buf[self._body:body_end]) or []
+        if not decoded and not self._opened:
             self._emit_content(self._buf[:end], out)
-        for call in calls or ():
-            index, self._next_index = self._next_index, self._next_index + 1
-            out.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                        "function": {"name": call.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": index,
-                                        "function": {"arguments": call.arguments}}]})
+        for number, (name, arguments) in enumerate(decoded):
+            text = arguments_json(arguments)
+            if number == len(self._opened):
+                self._opened.append([self._open_call(name, out), ""])
+            sent = self._opened[number][1]
+            # a reader's text is a prefix of ``text`` unless a key was written twice
+            self._send_arguments(number, text[len(sent):] if text.startswith(sent) else "", out)
+        if len(self._opened) > len(decoded):  # a call cut off: its text is the call's
+            end = max(end, self._body + self._reader.position)
         self._buf = self._buf[end:]
         self._consumed += end or 1  # an empty block still counts as something decided
-        self._body = -1
+        self._body, self._reader, self._opened = -1, None, []
 
     def _emit_content(self, text: str, out: list[dict[str, Any]]) -> None:
         released = self._content.push(text)

@@ -31,6 +31,7 @@ from tokenmill.server.tools.base import (
     lark_json,
     skip_space,
 )
+from tokenmill.server.tools.json_stream import CallReader, JsonCallReader
 
 
 class LeadingToolParser(ToolCallParser):
@@ -75,6 +76,9 @@ class Llama3JsonToolParser(LeadingToolParser):
     openers = ("<|python_tag|>", "{")
     body_opener = "{"
     several_calls = "separate several calls with '; '"
+
+    def call_reader(self) -> CallReader:
+        return JsonCallReader(("parameters", "arguments"), separator=";")
 
     def block_end(self, text: str, body_start: int, final: bool) -> tuple[int, int] | None:
         # Calls separated by ";": the block ends after the last call that no "; {" follows.

@@ -35,6 +35,7 @@ from tokenmill.server.tools.base import (
     marker_prefix_len,
     skip_space,
 )
+from tokenmill.server.tools.json_stream import CallReader, JsonCallReader
 
 
 class MarkerToolParser(ToolCallParser):
@@ -51,6 +52,14 @@ class MarkerToolParser(ToolCallParser):
 
     def start_hold(self, text: str) -> int:
         return marker_prefix_len(text, self.start_marker)
+
+    def marker_extent(self, text: str, body_start: int, end_marker: str) -> int:
+        """``body_extent`` for a block that ends at ``end_marker``: up to it, or while it is
+        not written, short of a tail that could still become it."""
+        end = text.find(end_marker, body_start)
+        if end != -1:
+            return end
+        return max(body_start, len(text) - marker_prefix_len(text, end_marker))
 
     def after_marker(self, functions: Sequence[Function], parallel: bool) -> str:
         """Lark rules defining ``after``: what follows the start marker in one block (with
@@ -84,6 +93,12 @@ class HermesToolParser(MarkerToolParser):
     def block_end(self, text: str, body_start: int, final: bool) -> tuple[int, int] | None:
         end = text.find(self.end_marker, body_start)
         return None if end == -1 else (end, end + len(self.end_marker))
+
+    def body_extent(self, text: str, body_start: int) -> int:
+        return self.marker_extent(text, body_start, self.end_marker)
+
+    def call_reader(self) -> CallReader:
+        return JsonCallReader(("arguments", "parameters"))
 
     def decode_block(self, body: str) -> list[Call] | None:
         try:
@@ -128,6 +143,11 @@ class MistralToolParser(MarkerToolParser):
 
     def __init__(self, id_factory: IdFactory | None = None) -> None:
         super().__init__(id_factory or mistral_call_id)
+
+    def call_reader(self) -> CallReader:
+        # v11's ``name[ARGS]{...}`` is no JSON value: the reader stops and the block goes out
+        # whole when it closes
+        return JsonCallReader(("arguments", "parameters"), lists=True)
 
     def block_end(self, text: str, body_start: int, final: bool) -> tuple[int, int] | None:
         i = skip_space(text, body_start)

@@ -14,6 +14,10 @@ pythonic     ``[name(key=value, ..), ..]``                                Llama 
 
 How a text is split into content and calls, and how the streamer keeps to the same split, is in
 ``base.py``; each family's syntax in ``markers.py``, ``xml_calls.py`` and ``leading.py``.
+Streamed calls send their arguments while the model writes them (hermes, llama3_json, mistral,
+qwen3_coder: ``json_stream.py``'s readers, and ``xml_calls.XmlCallReader``), re-written as the
+non-streamed arguments are, so the deltas add up to them; pythonic calls go out when their list
+closes.
 """
 
 from __future__ import annotations

@@ -26,7 +26,16 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenmill.server.tools.base import Call, Function, IdFactory, ToolCallParser, lark_json
+from tokenmill.server.tools.base import (
+    Call,
+    Function,
+    IdFactory,
+    ToolCallParser,
+    lark_json,
+    marker_prefix_len,
+    skip_space,
+)
+from tokenmill.server.tools.json_stream import CallDelta, CallReader, canonical
 from tokenmill.server.tools.markers import MarkerToolParser
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
@@ -53,6 +62,12 @@ class Qwen3CoderToolParser(MarkerToolParser):
     def block_end(self, text: str, body_start: int, final: bool) -> tuple[int, int] | None:
         end = text.find(self.end_marker, body_start)
         return None if end == -1 else (end, end + len(self.end_marker))
+
+    def body_extent(self, text: str, body_start: int) -> int:
+        return self.marker_extent(text, body_start, self.end_marker)
+
+    def call_reader(self) -> CallReader:
+        return XmlCallReader(self._schemas)
 
     def decode_block(self, body: str) -> list[Call] | None:
         function = _FUNCTION.fullmatch(body)
@@ -145,11 +160,18 @@ def _value_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+def is_text(schema: Any) -> bool:
+    """Whether a parameter's raw text is its value (a string, with nothing else allowed)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind == "string" or (isinstance(kind, list) and "string" in kind
+                                and "null" not in kind)
+
+
 def typed_value(raw: str, schema: Any) -> Any:
     """A parameter's text as the value its schema describes (see the module docstring)."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if kind == "string" or (isinstance(kind, list) and "string" in kind and "null" not in kind):
+    if is_text(schema):
         return raw
+    kind = schema.get("type") if isinstance(schema, dict) else None
     text = raw.strip()
     try:
         return json.loads(text)
@@ -162,3 +184,106 @@ def typed_value(raw: str, schema: Any) -> Any:
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             pass
     return raw
+
+
+_OPEN_FUNCTION, _OPEN_PARAMETER = "<function=", "<parameter="
+_CLOSE_FUNCTION, _CLOSE_PARAMETER = "</function>", "</parameter>"
+
+
+class XmlCallReader(CallReader):
+    """Reads one ``<function=...>`` element as it is written: the call opens at its name, a
+    parameter's key goes out when its tag closes, a text parameter's value character by
+    character (short of a tail that could be the layout newline or the closing tag), any other
+    value when its element closes (its type needs the whole text). Anything that is not this
+    syntax stops the reader."""
+
+    def __init__(self, schemas: Mapping[str, Mapping[str, Any]]) -> None:
+        self._schemas = schemas
+        self._text = ""
+        self.position = 0
+        self._state = "function"
+        self._properties: dict[str, Any] = {}
+        self._count = 0  # parameters begun
+        self._key = ""
+        self._sent = 0  # characters of a text parameter's value sent
+
+    def feed(self, text: str) -> list[CallDelta]:
+        self._text += text
+        out: list[CallDelta] = []
+        while self._state != "stopped" and getattr(self, f"_{self._state}")(out):
+            pass
+        return out
+
+    def _tag(self, opener: str) -> tuple[bool | None, str]:
+        """(True, NAME) of ``<opener NAME>`` ahead, whitespace skipped, moving past it; (None,
+        "") while the text may still become one; (False, "") when it cannot."""
+        i = skip_space(self._text, self.position)
+        head = self._text[i:i + len(opener)]
+        if head != opener:
+            return (None if opener.startswith(head) else False), ""
+        close = self._text.find(">", i + len(opener))
+        name = self._text[i + len(opener):close if close != -1 else len(self._text)]
+        if "\n" in name or close == i + len(opener):
+            return False, ""
+        if close == -1:
+            return None, ""
+        self.position = close + 1
+        return True, name.strip()
+
+    def _function(self, out: list[CallDelta]) -> bool:
+        found, name = self._tag(_OPEN_FUNCTION)
+        if found is None:
+            return False
+        if not found or not name:
+            self._state = "stopped"
+            return False
+        out.append((0, name, "{"))
+        self._properties = _properties(self._schemas.get(name))
+        self._state = "parameters"
+        return True
+
+    def _parameters(self, out: list[CallDelta]) -> bool:
+        i = skip_space(self._text, self.position)
+        if self._text.startswith(_CLOSE_FUNCTION, i):
+            out.append((0, None, "}"))
+            self.position, self._state = i + len(_CLOSE_FUNCTION), "stopped"
+            return False
+        found, key = self._tag(_OPEN_PARAMETER)
+        if found is None or (found is False and _CLOSE_FUNCTION.startswith(self._text[i:])):
+            return False  # a closing tag or a parameter may be coming
+        if not found or not key:
+            self._state = "stopped"
+            return False
+        plain = is_text(self._properties.get(key))
+        separator = ", " if self._count else ""
+        out.append((0, None, f"{separator}{canonical(key)}: " + ('"' if plain else "")))
+        self._key, self._count, self._sent = key, self._count + 1, 0
+        self._state = "plain" if plain else "typed"
+        return True
+
+    def _typed(self, out: list[CallDelta]) -> bool:
+        """A typed parameter: sent once its element closes."""
+        end = self._text.find(_CLOSE_PARAMETER, self.position)
+        if end == -1:
+            return False
+        raw = _unwrap(self._text[self.position:end])
+        out.append((0, None, canonical(typed_value(raw, self._properties.get(self._key)))))
+        self.position, self._state = end + len(_CLOSE_PARAMETER), "parameters"
+        return True
+
+    def _plain(self, out: list[CallDelta]) -> bool:
+        """A text parameter: its characters as a JSON string, as far as they are certain."""
+        end = self._text.find(_CLOSE_PARAMETER, self.position)
+        raw = self._text[self.position:end if end != -1 else len(self._text)]
+        if end == -1:
+            raw = raw[:len(raw) - marker_prefix_len(raw, _CLOSE_PARAMETER)]
+            raw = raw[:-1] if raw.endswith("\n") and len(raw) > 1 else raw  # layout, perhaps
+        value = _unwrap(raw) if end != -1 else raw.removeprefix("\n")
+        if len(value) > self._sent:
+            out.append((0, None, canonical(value[self._sent:])[1:-1]))
+            self._sent = len(value)
+        if end == -1:
+            return False
+        out.append((0, None, '"'))
+        self.position, self._state = end + len(_CLOSE_PARAMETER), "parameters"
+        return True
