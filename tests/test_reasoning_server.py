@@ -163,6 +163,16 @@ def test_continue_final_message_goes_on_writing_it(server, client):
             assert (message.content, _extra(message, "reasoning")) == (None, raw.strip())
 
 
+def test_continue_final_message_without_messages_is_400(server):
+    """Nothing to continue: a 400 naming messages, on /tokenize as on chat (found by the
+    schema fuzz as a 500)."""
+    body = {"messages": [], "continue_final_message": True, "add_generation_prompt": False}
+    for path, extra in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 2})):
+        r = httpx.post(f"{server.url}{path}", json={**body, **extra}, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == "messages", (path, r.text)
+
+
 @pytest.mark.parametrize("body, field", [
     ({"continue_final_message": True}, "continue_final_message"),  # and a generation prompt
     ({"continue_final_message": "yes please"}, "continue_final_message"),

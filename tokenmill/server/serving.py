@@ -113,6 +113,9 @@ class OpenAIServing:
             raise invalid("continue_final_message", "continue_final_message: set "
                           "add_generation_prompt to false (the final message is continued, "
                           "no new turn is started)")
+        if not req.messages:
+            raise invalid("messages", "continue_final_message: there is no final message to "
+                          "continue (messages is empty)")
         final = req.messages[-1]
         text = message_dict(final, len(req.messages) - 1)["content"]
         marked = [*req.messages[:-1], final.model_copy(update={"content": _CONTINUE_MARK})]
