@@ -137,15 +137,14 @@ class ModelRunner:
                ) -> Callable[[], ModelOutput]:
         """``execute`` in two halves: the forward and the sampling queued on the GPU, and a
         function that waits for the sampled ids (overlapped scheduling builds the last step's
-        outputs in between, on the same thread). A step whose sampling needs the host first
-        (grammar masks, drafts, prompt scoring, pooling), or a CPU's, runs whole here."""
-        if self.device.type != "cuda" or masks is not None or draft_probs or \
-                prompt_scoring(chunks) or any(c.request.pooling_params is not None
-                                              for c in chunks):
+        outputs in between, on the same thread). A CPU's step, or one with pooling chunks,
+        runs whole here."""
+        if self.device.type != "cuda" or any(c.request.pooling_params is not None
+                                             for c in chunks):
             done = self.execute(chunks, masks, draft_probs)
             return lambda: done
-        pending = self.sampler.launch(self.forward(chunks), sampling_rows(chunks), owned=True)
-        return lambda: accept_tokens(chunks, pending.result())
+        logits = self.forward(logits_view(chunks))
+        return launch_sample_step(self.sampler, chunks, logits, masks, draft_probs)
 
     def _governed(self, run: Callable[[], Any]) -> Any:
         """``run`` under the thread governor, where there is one."""
@@ -200,7 +199,17 @@ def sample_step(sampler: Sampler, chunks: Sequence[ScheduledChunk], logits: torc
                 draft_probs: Mapping[str, Sequence[torch.Tensor | None]] | None = None
                 ) -> ModelOutput:
     """Sample a step's ``logits`` (one row per scored position, in chunk order) and accept
-    each chunk's tokens; the grammar ``masks`` are waited for and applied first. Where
+    each chunk's tokens (``launch_sample_step`` waited for at once)."""
+    return launch_sample_step(sampler, chunks, logits, masks, draft_probs)()
+
+
+def launch_sample_step(sampler: Sampler, chunks: Sequence[ScheduledChunk],
+                       logits: torch.Tensor, masks: RowMasks | None = None,
+                       draft_probs: Mapping[str, Sequence[torch.Tensor | None]] | None = None
+                       ) -> Callable[[], ModelOutput]:
+    """``sample_step`` in two halves: the sampling queued (on a GPU, no host sync but what
+    prompt scoring and the grammar ``masks`` need: those are waited for and applied first),
+    and a function that waits for the ids and accepts each chunk's tokens. Where
     ``logits_view`` asked for rows of prompt positions, they are scored (the prompt tokens'
     logprobs) and set aside first."""
     scored: dict[str, tuple[int, list]] = {}
@@ -210,9 +219,14 @@ def sample_step(sampler: Sampler, chunks: Sequence[ScheduledChunk], logits: torc
     rows = sampling_rows(chunks, draft_probs)
     if masks is not None:
         masks.apply(rows)
-    out = accept_tokens(chunks, sampler(logits, rows, owned=True))
-    out.prompt_logprobs = scored
-    return out
+    pending = sampler.launch(logits, rows, owned=True)
+
+    def accept() -> ModelOutput:
+        out = accept_tokens(chunks, pending.result())
+        out.prompt_logprobs = scored
+        return out
+
+    return accept
 
 
 def _scores_prompt(chunk: ScheduledChunk) -> bool:
