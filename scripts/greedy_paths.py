@@ -41,6 +41,8 @@ PATHS: dict[str, dict] = {
     "layerskip": dict(speculative_method="layerskip"),
     "fp32-layerskip": dict(dtype="float32", speculative_method="layerskip"),
     "structured": dict(structured=True),
+    "batch-invariant": dict(batch_invariant=True),
+    "fp32-batch-invariant": dict(dtype="float32", batch_invariant=True),
 }
 
 

@@ -12,7 +12,6 @@ transformers' to 1e-4 (in bf16 two close choices could swap places)."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 

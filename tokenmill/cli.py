@@ -88,6 +88,12 @@ _ENGINE_FLAGS: list[tuple[str, str, dict]] = [
     ("--async-scheduling", "async_scheduling", dict(action=argparse.BooleanOptionalAction, help=(
         "prepare and launch the next step while this step's text and outputs are built "
         "(default: on for one GPU worker, off on a CPU)"))),
+    ("--batch-invariant", "batch_invariant", dict(action=argparse.BooleanOptionalAction, help=(
+        "a request's tokens and logprobs bit for bit the same whatever else shares its batches "
+        "and however its prompt is split: one kernel per linear at every row count (AMX tiles "
+        "where the CPU has them), the shared-prefix attention pass resumed rather than merged "
+        "(CPU kernels; refused where it cannot hold; default: on where it costs nothing "
+        "measurable, off with oneDNN's AMX route and --quantization)"))),
     ("--num-threads", "num_threads", dict(
         type=int, help="CPU threads of the forward (unset: chosen from the usable cores)")),
     ("--kv-cache-memory", "kv_cache_memory", dict(

@@ -394,6 +394,11 @@ class EngineConfig:
     # Structured output: offer the text a grammar forces next as drafts, verified in the same
     # forward (jump-forward); off, every token costs a step.
     jump_forward: bool = True
+    # Batch-invariant output: a request's tokens and logprobs bit for bit the same whatever
+    # else shares its batches and however its prompt was split (one reduction order per weight
+    # and attention row; docs/batch_invariance.md). None: the plan's default (engine/plan.py);
+    # True where the plan cannot promise it is refused.
+    batch_invariant: bool | None = None
     # What the model serves: "generate", "embed" (embeddings; rerank and score by their
     # cosine), "score" (a cross-encoder's pair scores; "rerank" says the same); None: what its
     # files say (a sentence-transformers directory or a BERT: embed; a sequence classifier:

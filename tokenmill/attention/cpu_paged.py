@@ -16,6 +16,14 @@ its tokens see and masks below each bound. That plan has no cascade pass (a shar
 not seen whole by every windowed query); where no query of the step reaches past its window,
 the window changes nothing and the layer takes the plain plan, cascade included. Sinks are
 given to the main pass only, so merging the shared pass still counts each sink once.
+
+Batch invariance (``docs/batch_invariance.md``): one work item holds every key of its (request,
+KV head, tile of query tokens), so no split of the keys depends on the batch, and the kernel's
+softmax steps end at fixed multiples of blocks, so a query row's sums round the same whatever
+rows share its tile. A merged cascade pass rounds otherwise than one pass over the same keys,
+so the batch-invariant mode runs it the other way round (``cascade = "resume"``): the shared
+pass first, over whole softmax steps of the shared blocks, handing each row's softmax state to
+the main pass, which continues it as one pass would: the plain path's bits, reads still shared.
 """
 
 from __future__ import annotations
@@ -32,9 +40,14 @@ from tokenmill.attention.torch_ref import TorchReferenceBackend
 # widely (the shared-prefix pass) at the cost of fewer parallel work items.
 TILE = 16
 CASCADE_TILE = 16
+# paged_attention's ``combine`` (csrc/paged_attention.h's Combine)
+WRITE, MERGE, SAVE_STATE, RESUME = range(4)
 # Cascade only where it saves reads: at least this many sequences sharing this many blocks.
 MIN_CASCADE_SEQS = 2
 MIN_CASCADE_BLOCKS = 2
+# How the shared-prefix pass joins the main one: "merge" (after it, normalised results merged
+# by their log-sum-exp), "resume" (before it, handing over its softmax state: batch-invariant)
+CASCADES = ("merge", "resume")
 
 
 @dataclass
@@ -52,16 +65,20 @@ class AttentionPlan:
     key_low: torch.Tensor
     # the shared-prefix pass (None when no group qualifies)
     shared: tuple[torch.Tensor, ...] | None = None
+    resume: bool = False  # the shared pass first, its softmax state resumed (CASCADES)
 
 
 def find_cascade_groups(tables: list[list[int]], query_lens: list[int], seq_lens: list[int],
-                        block_size: int) -> list[CascadeGroup]:
+                        block_size: int, step_blocks: int = 1) -> list[CascadeGroup]:
     """Sets of requests whose block tables start with the same blocks. Only blocks before a
-    request's first new token count (every query of the request then sees all of them)."""
+    request's first new token count (every query of the request then sees all of them), and
+    of those a multiple of ``step_blocks`` (the kernel's softmax step, for a pass that hands
+    its state over)."""
+    least = max(MIN_CASCADE_BLOCKS, step_blocks)
     by_first: dict[int, list[int]] = {}
     for r, table in enumerate(tables):
         # a table starting with the null block released it behind a sliding window
-        if table[0] != 0 and (seq_lens[r] - query_lens[r]) // block_size >= MIN_CASCADE_BLOCKS:
+        if table[0] != 0 and (seq_lens[r] - query_lens[r]) // block_size >= least:
             by_first.setdefault(table[0], []).append(r)
     groups = []
     for rows in by_first.values():
@@ -75,7 +92,8 @@ def find_cascade_groups(tables: list[list[int]], query_lens: list[int], seq_lens
             while n < common and table[n] == lead[n]:
                 n += 1
             common = n
-        if common >= MIN_CASCADE_BLOCKS:
+        common -= common % step_blocks
+        if common >= least:
             groups.append(CascadeGroup(rows, lead[:common]))
     return groups
 
@@ -96,7 +114,11 @@ def make_window_plan(meta: AttentionMetadata, lows: list[int]) -> AttentionPlan:
     return plan
 
 
-def make_plan(meta: AttentionMetadata, cascade: bool = True) -> AttentionPlan:
+def make_plan(meta: AttentionMetadata, cascade: bool = True,
+              step_blocks: int | None = None) -> AttentionPlan:
+    """The step's plan: causal key limits and, with ``cascade``, the shared-prefix pass (merged
+    after the main one; given ``step_blocks``, the kernel's blocks per softmax step, over whole
+    steps of the shared blocks, its state resumed by the main pass)."""
     q_lens, s_lens, bs = meta.query_lens_host, meta.seq_lens_host, meta.block_size
     limits: list[int] = []
     for q, s in zip(q_lens, s_lens):
@@ -108,9 +130,10 @@ def make_plan(meta: AttentionMetadata, cascade: bool = True) -> AttentionPlan:
     tables = meta.block_tables_host if cascade else None
     if tables is None or len(q_lens) < MIN_CASCADE_SEQS:
         return plan
-    groups = find_cascade_groups(tables, q_lens, s_lens, bs)
+    groups = find_cascade_groups(tables, q_lens, s_lens, bs, step_blocks or 1)
     if not groups:
         return plan
+    plan.resume = step_blocks is not None
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
@@ -148,6 +171,10 @@ class CpuPagedBackend(AttentionBackend):
 
     def __init__(self, ops):
         self.ops = ops
+        # how a step's shared-prefix pass joins the main one (CASCADES): "resume" in the
+        # batch-invariant mode, whose rows must round as one pass over their keys does
+        # (model/linear/setup.py sets it)
+        self.cascade = "merge"
         self._fallback: TorchReferenceBackend | None = None
         self._checked: tuple | None = None
 
@@ -182,7 +209,8 @@ class CpuPagedBackend(AttentionBackend):
             elif window is not None:
                 plan = self.plan(meta)
             else:
-                plan = make_plan(meta)
+                steps = self.ops.attention_step_blocks if self.cascade == "resume" else None
+                plan = make_plan(meta, step_blocks=steps)
             meta.plans[key] = plan
         return plan
 
@@ -197,16 +225,37 @@ class CpuPagedBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be strided, heads not
             q = q.contiguous()
+        if plan.resume:
+            return self._resumed(q, kv_cache, meta, plan, scale)
         # the two passes merge in float32; without a second pass write q's dtype directly
         out = torch.empty(q.shape, dtype=torch.float32 if plan.shared else q.dtype)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        no_state = torch.empty(0)
         self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                  plan.key_start_block, plan.key_limit, plan.key_low, plan.empty,
-                                 sinks, out, lse, scale, False, TILE)
+                                 sinks, out, lse, no_state, scale, WRITE, TILE)
         if plan.shared is not None:
             tables, starts, key_start, limits, rows = plan.shared
             self.ops.paged_attention(q, k_cache, v_cache, tables, starts, key_start, limits,
-                                     plan.empty, rows, plan.empty, out, lse, scale, True,
-                                     CASCADE_TILE)
+                                     plan.empty, rows, plan.empty, out, lse, no_state, scale,
+                                     MERGE, CASCADE_TILE)
             out = out.to(q.dtype)
         return out
+
+    def _resumed(self, q, kv_cache, meta: AttentionMetadata, plan: AttentionPlan,
+                 scale: float) -> torch.Tensor:
+        """The shared pass first, saving each row's softmax state (rows it leaves keep the
+        initial one), then the main pass resuming it (``CASCADES``' "resume")."""
+        k_cache, v_cache = kv_cache
+        out = torch.zeros(q.shape, dtype=torch.float32)  # raw accumulators between the passes
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        state = torch.empty(*q.shape[:2], 2)  # (T, H, (m, l))
+        state[..., 0], state[..., 1] = float("-inf"), 0.0
+        tables, starts, key_start, limits, rows = plan.shared
+        self.ops.paged_attention(q, k_cache, v_cache, tables, starts, key_start, limits,
+                                 plan.empty, rows, plan.empty, out, lse, state, scale,
+                                 SAVE_STATE, CASCADE_TILE)
+        self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                 plan.key_start_block, plan.key_limit, plan.empty, plan.empty,
+                                 plan.empty, out, lse, state, scale, RESUME, TILE)
+        return out.to(q.dtype)

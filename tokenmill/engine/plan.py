@@ -81,6 +81,9 @@ class ExecutionPlan:
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)  # off by default
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # off by default
+    # "on: <why>" or "off: <why>": a request's results the same whatever its batch (its
+    # linear half is ``linear.batch_invariant``; docs/batch_invariance.md)
+    batch_invariant: str = "off: not planned"
 
     @property
     def on_gpu(self) -> bool:
@@ -148,6 +151,7 @@ class ExecutionPlan:
             "threads": {"count": self.threads, "governor": self.thread_governor},
             "cpu_step": self.cpu_step, "cuda_graphs": self.cuda_graphs,
             "async_scheduling": self.async_scheduling,
+            "batch_invariant": self.batch_invariant,
             "speculative": self.speculative or "off",
             "parallel": self._describe_parallel(),
             "kv_transfer": self._describe_kv_transfer(),
@@ -216,6 +220,7 @@ def make_plan(config: EngineConfig, machine: Machine | None = None) -> Execution
     model_cfg = model_cfg.with_dtype(dtype)
     backend, backend_reason = _attention(config, machine)
     linear = plan_linears(machine, dtype, config.quantization, cpu_kernels=backend == "cpu")
+    invariant, linear = _batch_invariant(config, machine, model_cfg, backend, linear)
     max_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                   model_cfg.max_position_embeddings)
     speculative, draft_cfg = _speculative(config, model_cfg, dtype)
@@ -238,7 +243,56 @@ def make_plan(config: EngineConfig, machine: Machine | None = None) -> Execution
         async_scheduling=_async_scheduling(config, machine),
         max_num_seqs=config.scheduler.max_num_seqs, speculative=speculative,
         max_batched_tokens=config.scheduler.max_num_batched_tokens, parallel=config.parallel,
-        layout=layout, kv_transfer=config.kv_transfer, lora=config.lora)
+        layout=layout, kv_transfer=config.kv_transfer, lora=config.lora,
+        batch_invariant=invariant)
+
+
+def _invariance_default_off(config: EngineConfig, linear: LinearPlan) -> str | None:
+    """Why the batch-invariant mode stays off here unless asked for; None: on by default.
+    On by default where it was measured to cost nothing (docs/batch_invariance.md: within
+    1.5% without AMX, bf16 and float32); off where it costs more than 10% or was not measured."""
+    if linear.onednn_trial:
+        return ("the default here: with oneDNN's AMX route planned, the mode's AMX tiles "
+                "take prompt chunks 20% slower (--batch-invariant turns it on)")
+    if config.quantization != "none":
+        return ("the default for --quantization (4/8-bit weights): its cost there is not measured "
+                "(--batch-invariant turns it on)")
+    return None
+
+
+def _batch_invariant(config: EngineConfig, machine: Machine, model_cfg: ModelConfig,
+                     backend: str, linear: LinearPlan) -> tuple[str, LinearPlan]:
+    """Whether a request's tokens and logprobs stay the same whatever shares its batches
+    ("on: <why>" / "off: <why>") and the linear plan that follows; asked for where it cannot
+    hold, refused."""
+    asked = config.batch_invariant
+    if asked is False:
+        return "off: asked for", linear
+    blocker = _invariance_blocker(config, machine, model_cfg, backend, linear)
+    default_off = None if asked else _invariance_default_off(config, linear)
+    if blocker is None and default_off is None:
+        why = "asked for" if asked else "the default where it costs nothing measurable"
+        return (f"on: {why} (one kernel per linear at every row count, the shared-prefix "
+                "pass resumed rather than merged)",
+                linear.with_batch_invariance())
+    if asked:
+        raise ValueError(f"--batch-invariant cannot hold here: {blocker}")
+    return f"off: {blocker or default_off}", linear
+
+
+def _invariance_blocker(config: EngineConfig, machine: Machine, model_cfg: ModelConfig,
+                        backend: str, linear: LinearPlan) -> str | None:
+    """Why this engine's results could follow the batch whatever the mode; None: they need
+    not (every kernel it would run keeps one reduction order per row)."""
+    if machine.on_gpu:
+        return "the GPU kernels' splits follow the batch (the mode runs on the CPU kernels)"
+    if backend != "cpu":
+        return f"the {backend} attention backend (the mode needs the compiled CPU kernels)"
+    if not family(model_cfg.architecture).fused_step or model_cfg.num_experts:
+        return f"{model_cfg.architecture}'s layers are not covered (Llama-family dense ones are)"
+    if config.parallel.distributed or config.lora.enable_lora:
+        return "parallel ranks and LoRA adapters are not covered"
+    return linear.order_blocker()
 
 
 def _check_family(config: EngineConfig, model_cfg: ModelConfig) -> None:
@@ -388,7 +442,7 @@ def _cpu_step(config: EngineConfig, machine: Machine, model_cfg: ModelConfig, ba
 
 
 # the linear kernels the fused step multiplies on, per compute dtype
-_FUSABLE = {"bfloat16": ("bf16-packed", "bf16-packed-silu"),
+_FUSABLE = {"bfloat16": ("bf16-packed", "bf16-packed-silu", "bf16-amx", "bf16-amx-silu"),
             "float32": ("f32-packed", "f32-packed-bits", "f32-packed-a8")}
 
 

@@ -66,7 +66,8 @@ LADDER: tuple[Rung, ...] = (
     Rung("bf16 linear for a few rows, plain weight", "linear_bf16_rows", "bf16_rows.h", (F_LINEAR,),
          "tests/test_cpu_kernels.py::test_bf16_linear_for_few_rows_matches_float_reference",
          LINEAR_BENCH, timed_as="Bf16Rows"),
-    Rung("bf16 packed GEMM", "linear_bf16_packed", "bf16_gemm.h", (F_LINEAR,),
+    Rung("bf16 packed GEMM (amx=True: on AMX tiles)", "linear_bf16_packed", "bf16_gemm.h",
+         (F_LINEAR,),
          "tests/test_cpu_kernels.py::test_packed_bf16_linear_matches_float_reference",
          LINEAR_BENCH, timed_as="Bf16Packed"),
     Rung("bf16 packed GEMM, SiLU·mul epilogue", "linear_bf16_packed_silu", "bf16_gemm.h",
@@ -124,8 +125,11 @@ LADDER: tuple[Rung, ...] = (
 )
 
 # Bindings that are not kernels of their own: weight packing for a rung's GEMM, what a kernel
-# takes, and the fused step's argument type.
-HELPERS = frozenset({"supports", "pack_bf16_weight", "pack_f32_weight", "LayerWeights"})
+# takes, the fused step's argument type, and PyTorch's own float32 SiLU·mul split over threads
+# by rows (the same ops: nothing to time it against; batch invariance's, tested in
+# tests/test_batch_invariant.py).
+HELPERS = frozenset({"supports", "pack_bf16_weight", "pack_f32_weight", "LayerWeights",
+                     "silu_and_mul_rows"})
 
 
 def table() -> str:

@@ -129,8 +129,8 @@ class CpuStep:
             h, cos.squeeze(1), sin.squeeze(1), [k for k, _ in kv_caches[:n]],
             [v for _, v in kv_caches[:n]], meta.slot_mapping,
             meta.block_tables, meta.query_start_loc, plan.key_start_block, plan.key_limit,
-            plan.empty, list(plan.shared) if plan.shared is not None else [], windowed, n,
-            residual)
+            plan.empty, list(plan.shared) if plan.shared is not None else [], plan.resume,
+            windowed, n, residual)
         return h, residual
 
 
@@ -143,6 +143,7 @@ def _layer_weights(ops, layer: torch.nn.Module, steps: dict[str, StepWeight]):
     w.window = getattr(layer.self_attn, "window", None) or 0
     if _routed(layer):
         w.moe = build_grouped(layer.mlp, ops)
+    w.amx = any(step.amx for step in steps.values())  # unsupported() saw all or none
     for name, step in steps.items():
         setattr(w, name, step.packed)
         setattr(w, f"{name}_bias", None if step.bias is None else step.bias.detach())
@@ -180,4 +181,6 @@ def unsupported(model: torch.nn.Module) -> str | None:
                    "the kernels do not pack)"
         if dtype == torch.bfloat16 and "gate_up" in steps and not steps["gate_up"].applies_silu:
             return "gate/up takes no SiLU·mul in its epilogue (an MLP bias)"
+        if len({s.amx for s in steps.values()}) > 1:
+            return "a layer's linears split between AMX tiles and vdpbf16ps (a K not in 32s)"
     return None

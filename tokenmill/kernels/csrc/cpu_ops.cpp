@@ -10,9 +10,9 @@
 //   kv_cache.h         the paged K/V cache's layout, int8 K/V, store_kv
 //   attention_tiles.h  paged attention's loops over a block: scores, online softmax, values
 //   paged_attention.h  paged_attention (with merge: cascade attention's partial results)
-//   layer_ops.h        rms_norm, rope_, silu_and_mul (bfloat16 / float16)
+//   layer_ops.h        rms_norm, rope_, silu_and_mul (bfloat16 / float16), silu_and_mul_rows
 //   bf16_rows.h        linear_bf16_rows: one to four rows (AVX512-BF16)
-//   bf16_gemm.h        linear_bf16_packed(_silu) over weights packed for vdpbf16ps
+//   bf16_gemm.h        linear_bf16_packed(_silu) over weights packed for vdpbf16ps (or AMX)
 //   f32_gemm.h         the float32 GEMM's packing (float32 or 4/8-bit weights) and tiles
 //   a8_gemm.h          4/8-bit weights times rows of x quantized to int8 (AVX2)
 //   f32_linear.h       linear_f32_packed(_add), over any of the two above's weights
@@ -51,6 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "store new K/V at their slots in the kernel's cache layout",
         release());
   m.def("supports", &supports, "whether (head_dim, block_size) suit the kernel");
+  // blocks per online-softmax step: a shared pass that hands its state over covers whole steps
+  m.attr("attention_step_blocks") = kChunk;
   m.def("linear_bf16_rows", &linear_bf16_rows, "bf16 linear for a few rows (AVX512-BF16)",
         release());
   m.attr("has_bf16_dot") = kHasBf16Dot;
@@ -58,6 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("rope_", &rope_, "rotate-half RoPE in place", release());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", release());
+  m.def("silu_and_mul_rows", &silu_and_mul_rows,
+        "float32 silu(gate) * up by PyTorch's ops, each row on one thread", release());
   m.def("quant_linear", &quant_linear,
         "y = x W^T (+ bias) with W in 8- or 4-bit groups (see quant_ops.h)", release());
   m.def("quant_dequantize", &quant_dequantize,
@@ -70,13 +74,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef TOKENMILL_HAS_BF16_GEMM
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 weight in linear_bf16_packed's layout");
   m.def("linear_bf16_packed", &linear_bf16_packed,
-        "bf16 linear over a packed weight, any number of rows (AVX512-BF16)", release());
+        "bf16 linear over a packed weight, any number of rows (AVX512-BF16; amx: on AMX tiles)",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("amx") = false, release());
   m.def("linear_bf16_packed_silu", &linear_bf16_packed_silu,
         "silu(gate) * up from a packed gate/up weight with interleaved column blocks",
-        release());
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("amx") = false, release());
   m.attr("has_bf16_gemm") = true;
+  m.attr("has_bf16_amx") = kHasAmx && amx_usable();  // linear_bf16_packed(..., amx=True)
 #else
   m.attr("has_bf16_gemm") = false;
+  m.attr("has_bf16_amx") = false;
 #endif
 #ifdef TOKENMILL_HAS_F32_GEMM
   m.def("pack_f32_weight", &pack_f32_weight, "a float32 weight in linear_f32_packed's layout");

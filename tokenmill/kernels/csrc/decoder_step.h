@@ -9,7 +9,8 @@
 // Per layer, as LlamaDecoderLayer does it: RMSNorm (with the residual add from the second
 // layer on), the fused qkv projection, RoPE of the q and k heads in place, K/V stored at their
 // slots, paged attention (and the shared-prefix pass, merged in float32, when the step has
-// one; a sliding-window layer: its window's plan, without that pass), o_proj, RMSNorm with
+// one, or in the batch-invariant mode handing its softmax state to the main pass; a
+// sliding-window layer: its window's plan, without that pass), o_proj, RMSNorm with
 // the residual, gate/up with SiLU·mul in its epilogue, down, every linear packed for
 // vdpbf16ps (bf16_gemm.h).
 //
@@ -119,6 +120,7 @@ struct LayerWeights {
   // a mixture-of-experts layer's router and experts (moe.h), run instead of gate_up / down
   std::shared_ptr<MoEExperts> moe;
   int64_t window = 0;  // sliding-window attention over this many keys; 0: every key
+  bool amx = false;  // bf16: its linears on AMX tiles (bf16_gemm.h's AmxRows)
 };
 
 // One linear of a layer as the loop multiplies it.
@@ -126,6 +128,7 @@ struct Proj {
   const at::Tensor& packed;
   const c10::optional<at::Tensor>& bias;
   const c10::optional<at::Tensor>& dense;
+  bool amx;  // bf16: on AMX tiles
 };
 
 // What differs between the two dtypes; the layer loop (DecoderStack::run) is one.
@@ -137,7 +140,7 @@ struct Bf16Step {
     return rms_norm(x, at::empty({0}, x.options()), w, eps)[0];
   }
   static at::Tensor linear(const at::Tensor& x, const Proj& p) {
-    return linear_bf16_packed(x, p.packed, p.bias);
+    return linear_bf16_packed(x, p.packed, p.bias, p.amx);
   }
   // residual += the projection y of x (dense: y from oneDNN); returns the norm of the sum
   static at::Tensor add_norm(const at::Tensor& x, const Proj& p, bool dense,
@@ -156,7 +159,7 @@ struct Bf16Step {
   }
   static at::Tensor act(const at::Tensor& gate_up) { return silu_and_mul(gate_up); }
   static at::Tensor gated(const at::Tensor& x, const Proj& p) {
-    return linear_bf16_packed_silu(x, p.packed, p.bias);
+    return linear_bf16_packed_silu(x, p.packed, p.bias, p.amx);
   }
   // gated's product before SiLU·mul (column blocks interleaved, as packed), and SiLU·mul of it
   static constexpr bool kInterleaved = true;
@@ -188,10 +191,8 @@ struct F32Step {
     residual = y + residual;
     return rms_norm_f32(residual, w, eps);
   }
-  static at::Tensor act(const at::Tensor& gate_up) {
-    const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
-    return at::silu(halves[0]) * halves[1];
-  }
+  // PyTorch's silu(gate) * up, split over threads by whole rows (layer_ops.h)
+  static at::Tensor act(const at::Tensor& gate_up) { return silu_and_mul_rows(gate_up); }
   static at::Tensor gated(const at::Tensor& x, const Proj& p) { return act(linear(x, p)); }
   static constexpr bool kInterleaved = false;
   static at::Tensor product(const at::Tensor& x, const Proj& p) { return linear(x, p); }
@@ -246,7 +247,9 @@ class DecoderStack {
   // h: the embeddings (T, hidden) in the weights' dtype. cos/sin: float32 (T, head_dim / 2).
   // The caches: one per layer run. The attention arguments as paged_attention takes them for
   // the main pass; `shared`: empty, or the shared-prefix pass's (block tables, query starts,
-  // key start blocks, key limits, rows); `windowed`: empty (no windowed layer, or the
+  // key start blocks, key limits, rows); `resume`: that pass runs first and the main pass
+  // resumes its softmax state (paged_attention.h; the batch-invariant mode) rather than being
+  // merged after it; `windowed`: empty (no windowed layer, or the
   // window hides no key this step), or the windowed layers' (key start blocks, key lows),
   // their plan taking no shared pass. num_layers: run the first that many layers (an early
   // exit, for layer-skip drafting). residual: a pipeline stage's input beside h (the previous
@@ -258,7 +261,7 @@ class DecoderStack {
                                   const at::Tensor& slots, const at::Tensor& block_tables,
                                   const at::Tensor& query_start, const at::Tensor& key_start,
                                   const at::Tensor& key_limit, const at::Tensor& no_rows,
-                                  const std::vector<at::Tensor>& shared,
+                                  const std::vector<at::Tensor>& shared, bool resume,
                                   const std::vector<at::Tensor>& windowed, int64_t num_layers,
                                   const c10::optional<at::Tensor>& residual) const {
     TORCH_CHECK(num_layers >= 1 && num_layers <= static_cast<int64_t>(layers_.size()),
@@ -275,7 +278,7 @@ class DecoderStack {
                 "DecoderStack: a residual like h");
     const at::Tensor res = residual ? *residual : at::Tensor();
     const Step step{cos, sin, k_caches, v_caches, slots, block_tables, query_start,
-                    key_start, key_limit, no_rows, shared, windowed};
+                    key_start, key_limit, no_rows, shared, windowed, resume};
 #ifdef TOKENMILL_HAS_F32_GEMM
     if (dtype_ == at::kFloat) return run<F32Step>(std::move(h), res, step, count);
 #endif
@@ -291,6 +294,7 @@ class DecoderStack {
     const std::vector<at::Tensor>&k_caches, &v_caches;
     const at::Tensor &slots, &block_tables, &query_start, &key_start, &key_limit, &no_rows;
     const std::vector<at::Tensor>&shared, &windowed;
+    bool resume;  // the shared pass first, its softmax state resumed
   };
 
   // The layer loop, as LlamaDecoderLayer runs it. Each layer's down projection is joined to
@@ -313,7 +317,7 @@ class DecoderStack {
       if (i > 0) h = layers_[i - 1].moe ? K::sum_norm(act, residual, l.input_norm, eps_)
                                         : join<K>(act, down_of(layers_[i - 1]), n, residual,
                                                   l.input_norm, i - 1, kLoRADown);
-      const Proj qkv{l.qkv, l.qkv_bias, l.qkv_dense}, o{l.o, l.o_bias, l.o_dense};
+      const Proj qkv{l.qkv, l.qkv_bias, l.qkv_dense, l.amx}, o{l.o, l.o_bias, l.o_dense, l.amx};
       const at::Tensor attended = attention(i, lora_project<K>(h, qkv, n, i, kLoRAQkv), a);
       h = join<K>(attended, o, n, residual, l.post_norm, i, kLoRAO);
       act = l.moe ? l.moe->mlp(h) : gate_up<K>(h, l, n, i);  // MoE: the MLP's output
@@ -354,7 +358,7 @@ class DecoderStack {
   // with LoRA rows, from the product with their deltas added (interleaved as packed, for bf16)
   template <class K>
   at::Tensor gate_up(const at::Tensor& h, const LayerWeights& l, int64_t rows, size_t i) const {
-    const Proj p{l.gate_up, l.gate_up_bias, l.gate_up_dense};
+    const Proj p{l.gate_up, l.gate_up_bias, l.gate_up_dense, l.amx};
     const bool d = dense(p, rows);
     if (!lora_on(i, kLoRAGateUp))
       return d ? K::act(at::linear(h, *p.dense, p.bias)) : K::gated(h, p);
@@ -368,7 +372,9 @@ class DecoderStack {
     return lora_ != nullptr && lora_->touches(static_cast<int64_t>(layer), role);
   }
 
-  static Proj down_of(const LayerWeights& l) { return {l.down, l.down_bias, l.down_dense}; }
+  static Proj down_of(const LayerWeights& l) {
+    return {l.down, l.down_bias, l.down_dense, l.amx};
+  }
 
   template <class K>
   at::Tensor project(const at::Tensor& x, const Proj& p, int64_t rows) const {
@@ -399,17 +405,38 @@ class DecoderStack {
     // a windowed layer whose window hides keys this step: its own plan, no shared pass
     const bool windowed = layers_[i].window != 0 && !a.windowed.empty();
     const bool shared = !windowed && !a.shared.empty();
+    if (shared && a.resume) return resumed_attention(i, q, a);
     at::Tensor out = at::empty({n, heads_, head_dim_},
                                qkv.options().dtype(shared ? at::kFloat : dtype_));
     const at::Tensor lse = at::empty({n, heads_}, qkv.options().dtype(at::kFloat));
+    const at::Tensor no_state = at::empty({0}, lse.options());
     paged_attention(q, a.k_caches[i], a.v_caches[i], a.block_tables, a.query_start,
                     windowed ? a.windowed[0] : a.key_start, a.key_limit,
-                    windowed ? a.windowed[1] : a.no_rows, a.no_rows, a.no_rows, out, lse, scale_,
-                    false, tile_);
+                    windowed ? a.windowed[1] : a.no_rows, a.no_rows, a.no_rows, out, lse, no_state,
+                    scale_, kWrite, tile_);
     if (shared)
       paged_attention(q, a.k_caches[i], a.v_caches[i], a.shared[0], a.shared[1], a.shared[2],
-                      a.shared[3], a.no_rows, a.shared[4], a.no_rows, out, lse, scale_, true,
-                      cascade_tile_);
+                      a.shared[3], a.no_rows, a.shared[4], a.no_rows, out, lse, no_state, scale_,
+                      kMerge, cascade_tile_);
+    return out.to(dtype_).view({n, heads_ * head_dim_});
+  }
+
+  // The shared-prefix pass first, saving each row's softmax state (rows it does not cover keep
+  // the initial one: acc 0, m -inf, l 0), then the main pass resuming from it: one pass's bits
+  at::Tensor resumed_attention(size_t i, const at::Tensor& q, const Step& a) const {
+    const int64_t n = q.size(0);
+    const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+    at::Tensor out = at::zeros({n, heads_, head_dim_}, f32);
+    const at::Tensor lse = at::empty({n, heads_}, f32);
+    at::Tensor state = at::empty({n, heads_, 2}, f32);
+    state.select(2, 0).fill_(-std::numeric_limits<float>::infinity());
+    state.select(2, 1).zero_();
+    paged_attention(q, a.k_caches[i], a.v_caches[i], a.shared[0], a.shared[1], a.shared[2],
+                    a.shared[3], a.no_rows, a.shared[4], a.no_rows, out, lse, state, scale_,
+                    kSaveState, cascade_tile_);
+    paged_attention(q, a.k_caches[i], a.v_caches[i], a.block_tables, a.query_start,
+                    a.key_start, a.key_limit, a.no_rows, a.no_rows, a.no_rows, out, lse, state,
+                    scale_, kResume, tile_);
     return out.to(dtype_).view({n, heads_ * head_dim_});
   }
 
@@ -443,7 +470,8 @@ inline void register_decoder_step(pybind11::module_& m) {
       .def_readwrite("gate_up_dense", &LayerWeights::gate_up_dense)
       .def_readwrite("down_dense", &LayerWeights::down_dense)
       .def_readwrite("moe", &LayerWeights::moe)
-      .def_readwrite("window", &LayerWeights::window);
+      .def_readwrite("window", &LayerWeights::window)
+      .def_readwrite("amx", &LayerWeights::amx);
   pybind11::class_<DecoderStack>(m, "DecoderStack",
                                  "the decoder layers of a bf16 or float32 model, run in one call")
       .def(pybind11::init<const std::vector<LayerWeights>&, int64_t, int64_t, int64_t, double,

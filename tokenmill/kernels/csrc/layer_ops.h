@@ -1,8 +1,12 @@
 // rms_norm, rope_, silu_and_mul: the elementwise steps of a decoder layer, fused (for bfloat16
 // / float16, where PyTorch runs each of them as several passes with float32 round trips). Each
 // computes in float32 and rounds where the unfused PyTorch code rounds, so results match it to
-// the dtype's last bit save for the order of a sum.
+// the dtype's last bit save for the order of a sum. silu_and_mul_rows: float32's PyTorch
+// silu(gate) * up, split over threads by rows only.
 #pragma once
+
+#include <ATen/ThreadLocalState.h>
+#include <ATen/ops/mul.h>
 
 #include "common.h"
 
@@ -159,6 +163,27 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul",
                                   [&] { silu_and_mul_impl<scalar_t>(x, out); });
+  return out;
+}
+
+// float32 silu(gate) * up of x (T, 2I) by PyTorch's own silu and product, each row on one
+// thread. PyTorch splits an elementwise op over threads by elements: a split inside a row hands
+// the row's last elements before it to the scalar loop, whose exp is not the vector one's, so
+// those bits would depend on how many rows share the call; whole rows always round alike.
+at::Tensor silu_and_mul_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 2 == 0,
+              "silu_and_mul_rows: float32 x (T, 2I)");
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const at::ThreadLocalState caller;  // inference mode and the like, for the pool's threads
+  // as many rows per task as PyTorch's grain of elements (fewer run on one thread, as there)
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)),
+                   [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard as_caller(caller);
+    const at::Tensor part = x.slice(0, begin, end);  // inside the region PyTorch runs serially
+    at::Tensor dst = out.slice(0, begin, end);
+    at::mul_out(dst, at::silu(part.narrow(1, 0, n)), part.narrow(1, n, n));
+  });
   return out;
 }
 

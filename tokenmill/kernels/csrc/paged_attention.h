@@ -18,6 +18,12 @@
 // read (the scheduler may have freed them: their table entries then hold the padding block 0).
 // Attention sinks (gpt-oss): a per-head logit that joins every softmax's denominator and
 // adds no value; the online softmax starts from it (m = sink, l = 1) instead of (-inf, 0).
+//
+// A shared prefix's pass can also hand its online-softmax state over instead of a normalised
+// result to merge (kSaveState, then kResume): the main pass then continues each row's softmax
+// where the shared pass left it, step for step as one pass over all its keys would have gone
+// (the shared blocks a whole number of kChunk-block steps), so the result is that pass's, bit
+// for bit: cascade attention in the batch-invariant mode.
 #pragma once
 
 #include "attention_tiles.h"
@@ -28,6 +34,12 @@ namespace {
 
 // blocks whose scores take one online-softmax step together (fewer rescales and reductions)
 constexpr int64_t kChunk = 8;
+
+// What a call does with what out / lse / state hold: write its result over them, merge it into
+// the partial result there (another key range's), or, for a shared prefix's pass and the main
+// pass after it, save each row's online-softmax state (raw float32 accumulators in out, (m, l)
+// in state) and resume from it.
+enum Combine : int64_t { kWrite = 0, kMerge = 1, kSaveState = 2, kResume = 3 };
 
 struct WorkItem {
   int64_t req, kv_head, t0, t1;
@@ -49,7 +61,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                     const at::Tensor& block_tables, const at::Tensor& query_start,
                     const at::Tensor& key_start_block, const at::Tensor& key_limit,
                     const at::Tensor& key_low, const at::Tensor& rows, const at::Tensor& sinks,
-                    at::Tensor& out, at::Tensor& lse, double scale, bool merge, int64_t tile) {
+                    at::Tensor& out, at::Tensor& lse, at::Tensor& state, double scale,
+                    int64_t combine, int64_t tile) {
   constexpr int64_t head_dim = N * Vec::W;
   const int64_t num_heads = q.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -71,6 +84,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const float* sink = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
   O* op = out.data_ptr<O>();
   float* lp = lse.data_ptr<float>();
+  float* stp = state.numel() ? state.data_ptr<float>() : nullptr;  // (T, H, 2): m, l
+  constexpr bool kState = std::is_same<O, float>::value;  // save / resume: float32 out only
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
   const int64_t v_stride = num_kv_heads * row_len;  // one token's V in the cache
   constexpr int64_t kLine = 64 / sizeof(C);  // elements per cache line
@@ -101,6 +116,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           m[row] = sink[w.kv_head * group + row % group];
           l[row] = 1.0f;
         }
+      if constexpr (kState)
+        if (combine == kResume)  // each row's softmax where the shared pass left it
+          for (int64_t row = 0; row < nrows; ++row) {
+            const int64_t t = w.t0 + row / group, head = w.kv_head * group + row % group;
+            const int64_t at = (row_of ? row_of[t] : t) * num_heads + head;
+            std::memcpy(&acc[row * head_dim], op + at * head_dim, head_dim * sizeof(float));
+            m[row] = stp[2 * at];
+            l[row] = stp[2 * at + 1];
+          }
       sc.assign(nrows * span, 0.0f);
       if constexpr (kDot) {
         qb.resize(nrows * head_dim);
@@ -127,8 +151,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       // kChunk blocks at a time: their scores side by side in sc, one softmax step over all
       const int64_t kend = std::min(table_width, (kmax + block_size - 1) / block_size);
       const int64_t kfirst = std::max(kstart[w.req], kmin / block_size);
-      for (int64_t b0 = kfirst; b0 < kend; b0 += kChunk) {
-        const int64_t nb = std::min(kChunk, kend - b0);
+      // Each softmax step ends at a multiple of kChunk blocks wherever the item starts (a
+      // window's first block, a cascade's first own block): a row's steps then cover the same
+      // keys, so its sums round alike, whatever other rows share its tile (batch invariance)
+      for (int64_t b0 = kfirst, nb = 0; b0 < kend; b0 += nb) {
+        nb = std::min(kChunk - b0 % kChunk, kend - b0);
         const int64_t base = b0 * block_size;
         const int64_t nkeys = std::min(nb * block_size, kmax - base);
         for (int64_t i = 0; i < nb; ++i) {
@@ -210,6 +237,14 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         const int64_t dst = row_of ? row_of[t] : t;
         const int64_t head = w.kv_head * group + row % group;
         float* arow = &acc[row * head_dim];
+        if constexpr (kState)
+          if (combine == kSaveState) {  // as it stands (accumulators unscrambled at the end)
+            const int64_t at = dst * num_heads + head;
+            std::memcpy(op + at * head_dim, arow, head_dim * sizeof(float));
+            stp[2 * at] = m[row];
+            stp[2 * at + 1] = l[row];
+            continue;
+          }
 #if defined(__AVX512BF16__)
         if constexpr (kDot) unscramble_bf16(arow, tmp.data(), head_dim);
 #endif
@@ -218,7 +253,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         for (int64_t d = 0; d < head_dim; ++d) arow[d] *= inv;
         O* orow = op + dst * out_stride + head * head_dim;
         float* lrow = lp + dst * num_heads + head;
-        if (merge && *lrow != kNegInf) {
+        if (combine == kMerge && *lrow != kNegInf) {
           // combine with the partial result already there (another key range)
           const float old_lse = *lrow;
           const float top = std::max(old_lse, new_lse);
@@ -255,13 +290,14 @@ void attention_dispatch(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& query_start, const at::Tensor& key_start_block,
                             const at::Tensor& key_limit, const at::Tensor& key_low,
                         const at::Tensor& rows, const at::Tensor& sinks, at::Tensor& out,
-                        at::Tensor& lse, double scale, bool merge, int64_t tile) {
+                        at::Tensor& lse, at::Tensor& state, double scale, int64_t combine,
+                        int64_t tile) {
   switch (q.size(2) / Vec::W) {
 #define TOKENMILL_CASE(n)                                                                     \
     case n:                                                                                   \
       return attention_impl<T, C, O, n>(q, k_cache, v_cache, block_tables, query_start,      \
                                         key_start_block, key_limit, key_low, rows, sinks,     \
-                                        out, lse, scale, merge, tile);
+                                        out, lse, state, scale, combine, tile);
     TOKENMILL_HEAD_VECS(TOKENMILL_CASE)
 #undef TOKENMILL_CASE
     default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", q.size(2));
@@ -284,13 +320,17 @@ void attention_dispatch(const at::Tensor& q, const at::Tensor& k_cache,
 //   sinks           (H) float32 or empty: per-head logits joining every softmax's denominator
 //                   (give them to one pass only when passes are merged)
 //   out, lse        (T, H, D) q's dtype or float32, and (T, H) float32: written, or with
-//                   ``merge`` combined with the partial results they hold (lse -inf: none)
+//                   kMerge combined with the partial results they hold (lse -inf: none)
+//   state           (T, H, 2) float32 (m, l) for kSaveState / kResume (out then float32 and
+//                   holding raw accumulators between the two; no sinks), else empty
+//   combine         Combine: kWrite, kMerge, kSaveState or kResume
 //   tile            query tokens of one request computed together (sharing each K/V load)
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start,
                      const at::Tensor& key_start_block, const at::Tensor& key_limit,
                      const at::Tensor& key_low, const at::Tensor& rows, const at::Tensor& sinks,
-                     at::Tensor out, at::Tensor lse, double scale, bool merge, int64_t tile) {
+                     at::Tensor out, at::Tensor lse, at::Tensor state, double scale,
+                     int64_t combine, int64_t tile) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q (T, H, D) and caches (blocks, block_size, KVH, D) expected");
   const CacheKind kind = cache_kind(k_cache, q.scalar_type(), "paged_attention");
@@ -322,7 +362,14 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
                                      sinks.numel() == q.size(1)),
               "paged_attention: sinks (H) float32");
-  TORCH_CHECK(tile >= 1, "paged_attention: tile >= 1");
+  TORCH_CHECK(tile >= 1 && combine >= kWrite && combine <= kResume,
+              "paged_attention: tile >= 1, combine one of Combine");
+  const bool stateful = combine == kSaveState || combine == kResume;
+  TORCH_CHECK(!stateful || (out.scalar_type() == at::kFloat && sinks.numel() == 0 &&
+                            state.scalar_type() == at::kFloat && state.is_contiguous() &&
+                            state.numel() == q.size(0) * q.size(1) * 2),
+              "paged_attention: save / resume take float32 out, a (T, H, 2) float32 state and "
+              "no sinks");
   const bool same = out.scalar_type() == q.scalar_type();
   TORCH_CHECK(same || out.scalar_type() == at::kFloat, "paged_attention: out is q's dtype or "
               "float32");
@@ -333,12 +380,12 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       if (same) {
         attention_dispatch<scalar_t, C, scalar_t>(q, k_cache, v_cache, block_tables,
                                                   query_start, key_start_block, key_limit,
-                                                  key_low, rows, sinks, out, lse, scale, merge,
-                                                  tile);
+                                                  key_low, rows, sinks, out, lse, state, scale,
+                                                  combine, tile);
       } else {
         attention_dispatch<scalar_t, C, float>(q, k_cache, v_cache, block_tables, query_start,
                                                key_start_block, key_limit, key_low, rows, sinks,
-                                               out, lse, scale, merge, tile);
+                                               out, lse, state, scale, combine, tile);
       }
     });
   });

@@ -21,6 +21,7 @@ class StepWeight:
     applies_silu: bool = False  # gate/up: silu(gate) * up in the GEMM's epilogue
     dense: torch.Tensor | None = None
     dense_from_rows: int | None = None
+    amx: bool = False  # bf16: multiplied on AMX tiles (Bf16Amx)
 
 
 class LinearKernel:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.linear.base import LinearKernel, dtype_name
+from tokenmill.model.linear.base import LinearKernel, dtype_name, on_rows
 
 # Rows of input up to which the CPU kernels' bf16 linear (on the plain weight; the layers that
 # cannot be packed) beats oneDNN's on AVX512-BF16 (1.2-1.9x at 1-4 rows alone,
@@ -60,24 +60,28 @@ class OneDnn(LinearKernel):
 
 class Bf16Rows(LinearKernel):
     """bf16 on AVX512-BF16 for a weight the packed GEMM cannot take (N not a multiple of 16):
-    up to ``SMALL_M_ROWS`` rows (decode at small batch) one pass over the weight at memory speed
-    (``linear_bf16_rows``), more through ``F.linear``."""
+    up to ``max_rows`` rows (decode at small batch) one pass over the weight at memory speed
+    (``linear_bf16_rows``), more through ``F.linear``. ``max_rows`` None: every batch on
+    ``linear_bf16_rows``, whose sums for a row do not depend on the others (batch-invariant
+    mode), at its pace for prompts."""
 
     family = "bf16-rows"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops):
-        self.weight, self.bias, self.ops = weight, bias, ops
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops,
+                 max_rows: int | None = SMALL_M_ROWS):
+        self.weight, self.bias, self.ops, self.max_rows = weight, bias, ops, max_rows
 
     @classmethod
-    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> Bf16Rows | None:
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops,
+              max_rows: int | None = SMALL_M_ROWS) -> Bf16Rows | None:
         if (ops is None or not ops.has_bf16_dot or weight.dtype != torch.bfloat16
                 or weight.device.type != "cpu" or weight.shape[0] % 4):
             return None
-        return cls(weight, bias, ops)
+        return cls(weight, bias, ops, max_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16:
-            return self.ops.linear_bf16_rows(x, self.weight, self.bias)
+        if x.dtype == torch.bfloat16 and (self.max_rows is None or x.shape[0] <= self.max_rows):
+            return on_rows(self.ops.linear_bf16_rows, x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     @property

@@ -1,6 +1,7 @@
 """Kernels on a weight packed once for the CPU kernels' GEMMs: float32 (``csrc/f32_gemm.h``,
 also 4/8-bit weights kept in their bits and, in ``csrc/a8_gemm.h``'s layout, multiplied with
-int8 rows of x) and bf16 (``csrc/bf16_gemm.h``, with SiLU·mul in the epilogue for gate/up).
+int8 rows of x) and bf16 (``csrc/bf16_gemm.h``, with SiLU·mul in the epilogue for gate/up; on
+vdpbf16ps, or the same packing on AMX tiles).
 Each ``build`` returns None for a weight its kernel cannot take (a size, a format); the loader
 then tries the plan's next kernel."""
 
@@ -140,6 +141,60 @@ class Bf16PackedSilu(Bf16Packed):
     def activate(self, y: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of ``product``'s output, rounded as the epilogue rounds: (rows, I)."""
         return self.ops.silu_and_mul_interleaved(y, BF16_PACK_COLS)
+
+
+def _amx_ready(weight: torch.Tensor, ops) -> bool:
+    """AMX tiles this process may use, and K in whole tiles of 32."""
+    return getattr(ops, "has_bf16_amx", False) and weight.shape[-1] % 32 == 0
+
+
+def _on_amx(kernel):
+    """``kernel`` (a packed bf16 GEMM binding) with ``amx=True``."""
+    return lambda x, packed, bias: kernel(x, packed, bias, True)
+
+
+class Bf16Amx(Bf16Packed):
+    """``Bf16Packed``'s weight multiplied on AMX tiles (csrc/bf16_gemm.h's AmxRows): each row's
+    sums in one order along K at every row count, so one kernel for decode and prompts alike
+    (the batch-invariant mode on a CPU with AMX, where the packed GEMM is 3-5x slower for
+    prompt chunks and oneDNN's sums change with the batch's rows)."""
+
+    family = "bf16-amx"
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> Bf16Amx | None:
+        plain = Bf16Packed.build(weight, bias, ops) if _amx_ready(weight, ops) else None
+        return None if plain is None else cls(plain.packed, bias, ops)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return on_rows(_on_amx(self.ops.linear_bf16_packed), x.to(torch.bfloat16), self.packed,
+                       self.bias)
+
+    def step_weight(self) -> StepWeight:
+        return StepWeight("bf16", self.packed, self.bias, self.applies_silu, amx=True)
+
+
+class Bf16AmxSilu(Bf16PackedSilu):
+    """``Bf16PackedSilu`` on AMX tiles (``Bf16Amx``)."""
+
+    family = "bf16-amx-silu"
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+              ops) -> Bf16AmxSilu | None:
+        plain = Bf16PackedSilu.build(weight, bias, ops) if _amx_ready(weight, ops) else None
+        return None if plain is None else cls(plain.packed, None, ops)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return on_rows(_on_amx(self.ops.linear_bf16_packed_silu), x.to(torch.bfloat16),
+                       self.packed, self.bias)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return on_rows(_on_amx(self.ops.linear_bf16_packed), x.to(torch.bfloat16), self.packed,
+                       None)
+
+    def step_weight(self) -> StepWeight:
+        return StepWeight("bf16", self.packed, self.bias, True, amx=True)
 
 
 def interleaved_columns(out_features: int) -> torch.Tensor:

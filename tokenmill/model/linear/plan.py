@@ -6,7 +6,7 @@ gets the plan's next kernel, and the load records it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenmill.model.quant import QUANTIZATIONS
 from tokenmill.platform import KernelCaps, Machine
@@ -33,6 +33,16 @@ STORED_QUANTIZED = ("int8", "int4")
 # the last of a chain of kernels for quantized weights: dequantize the weight at load and
 # build it as a float weight
 DEQUANTIZE = "dequantize"
+# Kernels whose sums for a row of x are the same whatever the other rows of the batch: one
+# reduction order per weight at every row count (each output's products summed along K in
+# one fixed order, threads split over output columns only), bf16-rows and quant keeping their
+# own kernel at every row count in the batch-invariant mode. The rest (oneDNN, F.linear,
+# fp8) choose their blocking by the number of rows.
+ORDER_FIXED = frozenset({"bf16-packed", "bf16-packed-silu", "bf16-amx", "bf16-amx-silu",
+                         "bf16-rows", "f32-packed", "f32-packed-bits", "f32-packed-a8", "quant",
+                         "quant-a8"})
+# the SiLU·mul epilogue's variant of each packed bf16 family (gate/up)
+_SILU = {"bf16-packed": "bf16-packed-silu", "bf16-amx": "bf16-amx-silu"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,11 @@ class LinearPlan:
     onednn_trial: bool
     gate_silu: bool  # gate/up with SiLU·mul in its packed bf16 GEMM's epilogue
     notes: tuple[str, ...] = ()  # what the load logs as warnings
+    # one kernel per layer at every row count, and the attention backend's shared-prefix pass
+    # resumed rather than merged (setup.py): a row's results do not depend on its batch
+    # (``with_batch_invariance``)
+    batch_invariant: bool = False
+    amx: bool = False  # bf16 on a CPU with AMX: the packed weights may multiply on its tiles
 
     def format_of(self, role: str) -> str | None:
         return dict(self.formats).get(role)
@@ -64,7 +79,7 @@ class LinearPlan:
             return ("fp8",)
         chain = self.quant_kernels if quantized else self.float_kernels
         if role == "gate_up" and self.gate_silu:
-            chain = tuple("bf16-packed-silu" if f == "bf16-packed" else f for f in chain)
+            chain = tuple(_SILU.get(f, f) for f in chain)
         return chain
 
     def kernel_for(self, role: str) -> str:
@@ -79,6 +94,24 @@ class LinearPlan:
         return any(f in ("quant", "quant-a8") for f in self.quant_kernels) \
             and self.quantization != "none"
 
+    def order_blocker(self) -> str | None:
+        """Why some layer's planned kernel would sum a row in an order its batch decides (a
+        kernel outside ``ORDER_FIXED``); None: every one keeps one order."""
+        chains = [("float", self.float_kernels)]
+        if self.quantization != "none" or self.keep_gguf_blocks:
+            chains.append(("quantized", self.quant_kernels))
+        for kind, chain in chains:
+            if chain[0] not in ORDER_FIXED:
+                return f"{kind} weights multiply on {chain[0]}, whose blocking follows the rows"
+        return None
+
+    def with_batch_invariance(self) -> LinearPlan:
+        """This plan in the batch-invariant mode: no oneDNN trial (oneDNN's sums for a row
+        change with the batch's rows), each layer on one kernel at every row count: with AMX,
+        the packed weights on its tiles (near oneDNN's pace for prompts, one order per row)."""
+        floats = ("bf16-amx",) * self.amx + self.float_kernels
+        return replace(self, batch_invariant=True, onednn_trial=False, float_kernels=floats)
+
     def describe(self) -> dict[str, object]:
         """The plan for logs and ``/server_info``."""
         return {"dtype": self.dtype, "quantization": self.quantization,
@@ -87,7 +120,7 @@ class LinearPlan:
                               "quantized": list(self.quant_kernels)},
                 "gguf_blocks": "kept" if self.keep_gguf_blocks else "dequantized at load",
                 "int8_activations": self.int8_activations, "onednn_trial": self.onednn_trial,
-                "notes": list(self.notes)}
+                "batch_invariant": self.batch_invariant, "notes": list(self.notes)}
 
 
 def plan_linears(machine: Machine, dtype: str, quantization: str = "none", *,
@@ -110,7 +143,8 @@ def plan_linears(machine: Machine, dtype: str, quantization: str = "none", *,
         quant_kernels=_quant_kernels(machine, dtype, quantization, layer_caps, a8, in_bits),
         keep_gguf_blocks=quantization == "auto" or in_bits, int8_activations=a8,
         onednn_trial=_onednn_trial(dtype, caps, layer_caps),
-        gate_silu=float_kernels[0] == "bf16-packed", notes=notes)
+        gate_silu=float_kernels[0] == "bf16-packed", notes=notes,
+        amx=float_kernels[0] == "bf16-packed" and caps.amx)
 
 
 def _effective_quantization(machine: Machine, dtype: str,

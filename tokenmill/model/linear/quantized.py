@@ -18,13 +18,16 @@ DENSE_ROWS = 16
 
 
 class QuantBytes(LinearKernel):
-    """A 4/8-bit weight multiplied from its bytes by the CPU kernels up to ``DENSE_ROWS`` rows
+    """A 4/8-bit weight multiplied from its bytes by the CPU kernels up to ``dense_rows`` rows
     (with x's rows rounded to int8 on AVX512-VNNI where the weight was prepared for it:
     ``use_int8_activations``), through a dequantized copy in x's dtype above; without the
-    kernels (``ops`` None: no compiler), dequantized by PyTorch every call."""
+    kernels (``ops`` None: no compiler), dequantized by PyTorch every call. ``dense_rows``
+    None: every batch from the bytes, whose sums for a row do not depend on the others
+    (batch-invariant mode)."""
 
-    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, ops):
-        self.qw, self.bias = qw, bias
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, ops,
+                 dense_rows: int | None = DENSE_ROWS):
+        self.qw, self.bias, self.dense_rows = qw, bias, dense_rows
         self.ops = ops if qw.qweight.device.type == "cpu" else None
         self.int8_activations = bool(self.ops is not None and qw.int8_activations
                                      and self.ops.has_int8_dot)
@@ -33,7 +36,7 @@ class QuantBytes(LinearKernel):
         qw, ops = self.qw, self.ops
         if ops is None:
             return F.linear(x, dequantize(qw, x.dtype), self.bias)
-        if x.shape[0] > DENSE_ROWS:
+        if self.dense_rows is not None and x.shape[0] > self.dense_rows:
             w = ops.quant_dequantize(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size,
                                      x.dtype)
             return F.linear(x, w, self.bias)

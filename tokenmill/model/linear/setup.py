@@ -16,10 +16,11 @@ from torch import nn
 from tokenmill.model.layers import Embedding, Linear
 from tokenmill.model.linear import routed
 from tokenmill.model.linear.base import LinearKernel
-from tokenmill.model.linear.dense import Bf16Rows, Dense, OneDnn
-from tokenmill.model.linear.packed import Bf16Packed, Bf16PackedSilu, F32Packed
-from tokenmill.model.linear.plan import DEQUANTIZE, ROLE_OF, LinearPlan
-from tokenmill.model.linear.quantized import Fp8, QuantBytes
+from tokenmill.model.linear.dense import SMALL_M_ROWS, Bf16Rows, Dense, OneDnn
+from tokenmill.model.linear.packed import (Bf16Amx, Bf16AmxSilu, Bf16Packed, Bf16PackedSilu,
+                                           F32Packed)
+from tokenmill.model.linear.plan import DEQUANTIZE, ORDER_FIXED, ROLE_OF, LinearPlan
+from tokenmill.model.linear.quantized import DENSE_ROWS, Fp8, QuantBytes
 from tokenmill.model.quant import INT4_GROUP, QuantWeight, concat_rows, dequantize
 from tokenmill.model.quant import quantize_fp8, quantize_int4, quantize_int8
 from tokenmill.model.quant import takes_int8_activations, use_int8_activations
@@ -90,16 +91,23 @@ class _Source:
     ops: object  # the layers' CPU kernels (None: PyTorch's ops)
     quant_ops: object  # the CPU kernels for quantized weights
     int8_activations: bool  # the plan's
+    batch_invariant: bool  # the plan's: a kernel that switches by rows keeps one way
 
     def a8(self) -> bool:
         return self.int8_activations and takes_int8_activations(self.quant)
+
+    def quant_bytes(self) -> QuantBytes:
+        """From the bytes up to ``DENSE_ROWS`` rows (in the batch-invariant mode at every
+        count)."""
+        rows = None if self.batch_invariant else DENSE_ROWS
+        return QuantBytes(self.quant, self.bias, self.quant_ops, dense_rows=rows)
 
 
 def _quant_a8(s: _Source) -> LinearKernel | None:
     if not (s.a8() and getattr(s.quant_ops, "has_int8_dot", False)):
         return None
     use_int8_activations(s.quant)
-    return QuantBytes(s.quant, s.bias, s.quant_ops)
+    return s.quant_bytes()
 
 
 # family -> kernel for a float weight, or None where it cannot take it
@@ -107,7 +115,11 @@ _FLOAT: dict[str, Callable[[_Source], LinearKernel | None]] = {
     "bf16-packed": lambda s: Bf16Packed.build(s.weight, s.bias, s.ops),
     "bf16-packed-silu": lambda s: Bf16PackedSilu.build(s.weight, s.bias, s.ops)
     or Bf16Packed.build(s.weight, s.bias, s.ops),
-    "bf16-rows": lambda s: Bf16Rows.build(s.weight, s.bias, s.ops),
+    "bf16-amx": lambda s: Bf16Amx.build(s.weight, s.bias, s.ops),
+    "bf16-amx-silu": lambda s: Bf16AmxSilu.build(s.weight, s.bias, s.ops)
+    or Bf16Amx.build(s.weight, s.bias, s.ops),
+    "bf16-rows": lambda s: Bf16Rows.build(s.weight, s.bias, s.ops,
+                                          None if s.batch_invariant else SMALL_M_ROWS),
     "f32-packed": lambda s: F32Packed.build(s.weight, s.bias, s.ops),
     "onednn": lambda s: OneDnn.build(s.weight, s.bias),
     "dense": lambda s: Dense(s.weight, s.bias),
@@ -118,7 +130,7 @@ _QUANT: dict[str, Callable[[_Source], LinearKernel | None]] = {
     if s.a8() else None,
     "f32-packed-bits": lambda s: F32Packed.build_quantized(s.quant, s.bias, s.ops, False),
     "quant-a8": _quant_a8,
-    "quant": lambda s: QuantBytes(s.quant, s.bias, s.quant_ops),
+    "quant": lambda s: s.quant_bytes(),
     "quant-torch": lambda s: QuantBytes(s.quant, s.bias, None),
     "fp8": lambda s: Fp8(s.quant, s.bias),
 }
@@ -127,7 +139,8 @@ _QUANT: dict[str, Callable[[_Source], LinearKernel | None]] = {
 def build_kernel(layer: Linear, role: str, plan: LinearPlan, ops, quant_ops) -> LinearKernel:
     """The first of the plan's kernels for ``role`` that takes the layer's weight. A quantized
     weight that none takes where the plan ends in ``dequantize`` becomes a float weight."""
-    s = _Source(layer.weight, layer.quant, layer.bias, ops, quant_ops, plan.int8_activations)
+    s = _Source(layer.weight, layer.quant, layer.bias, ops, quant_ops, plan.int8_activations,
+                plan.batch_invariant)
     quantized = layer.quant is not None
     for family in plan.kernels_for(role, quantized):
         if family == DEQUANTIZE:
@@ -156,7 +169,26 @@ def build_kernels(module: nn.Module, plan: LinearPlan, ops,
     if any(isinstance(k, QuantBytes) and k.ops is None for k in kernels.values()):
         log.warning("quantized weights without the CPU kernels: every step dequantizes them "
                     "(slow); install a C++ compiler")
+    if plan.batch_invariant:
+        _keep_one_order(module, kernels)
     return kernels
+
+
+def _keep_one_order(module: nn.Module, kernels: dict[str, LinearKernel]) -> None:
+    """The batch-invariant mode beyond the linears: attention's shared-prefix pass hands its
+    softmax state to the main pass (``cascade = "resume"``) instead of a partial result merged
+    after it, which rounds otherwise than one pass over the same keys. A layer left on a kernel
+    whose sums follow the rows (a size no fixed-order kernel takes) is logged: its outputs may
+    still move with the batch."""
+    for layer in module.modules():
+        backend = getattr(layer, "backend", None)
+        if hasattr(backend, "cascade"):
+            backend.cascade = "resume"
+    loose = sorted(name for name, k in kernels.items() if k.family not in ORDER_FIXED)
+    if loose:
+        log.warning("batch-invariant mode: %d linear layers keep a kernel whose sums follow "
+                    "the batch's rows (%s): their outputs may differ with the batch",
+                    len(loose), ", ".join(loose[:4]) + (", ..." if len(loose) > 4 else ""))
 
 
 def describe_weights(kernels: dict[str, LinearKernel], quantization: str) -> str:
