@@ -354,8 +354,16 @@ def main() -> None:
     ap.add_argument("--cpu-reference", type=Path,
                     help="the CPU float32 reference of the quality part: read where it "
                          "exists, else computed and written there (--parts cpu-reference)")
+    ap.add_argument("--gemm-rows", type=int,
+                    help="batches of up to this many tokens take the GEMM-fused kernels "
+                         "(kernels/triton_fused.py GEMM_ROWS; 0: none); the parts run in this "
+                         "process only")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.gemm_rows is not None:
+        from tokenmill.kernels import triton_fused
+
+        triton_fused.GEMM_ROWS = args.gemm_rows
     parts = args.parts.split(",")
     result: dict = {"settings": {k: str(v) if isinstance(v, Path) else v
                                  for k, v in vars(args).items() if k != "out"}}

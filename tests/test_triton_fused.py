@@ -153,6 +153,79 @@ def test_a_quantized_cache_is_left_to_the_backend(cache_dtype):
     assert torch.equal(v, qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d))
 
 
+def assert_near(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The GEMM-fused kernels against cuBLAS (or a float32 product) and the unfused kernels:
+    the GEMM's sums are added in another order, so an output can land one rounding step away
+    (two after RoPE mixes two of them); nearly all are equal."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    apart = ulps_apart(got, want)
+    assert apart.max().item() <= 2, apart.max()
+    assert (apart == 0).float().mean().item() >= 0.95
+
+
+def unfused_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` as the layer runs it (cuBLAS); the CPU sums in float32, as a GPU does."""
+    if DEVICE == "cuda":
+        return torch.nn.functional.linear(x, w, b)
+    return torch.nn.functional.linear(x.float(), w.float(), None if b is None
+                                      else b.float()).to(x.dtype)
+
+
+GEMM_CASES = [  # (dtype, tokens, heads, kv_heads, head_dim, bias, residual)
+    (torch.bfloat16, 1, 9, 3, 64, False, True),   # SmolLM2's attention, one decode row
+    (torch.bfloat16, 6, 4, 2, 32, True, False),   # Qwen2's biases; layer 0: no residual yet
+    (torch.float16, 40, 4, 2, 32, False, True),   # three row tiles, the last ragged
+]
+
+
+@pytest.mark.parametrize("dtype,n,heads,kv_heads,d,bias,with_residual", GEMM_CASES)
+def test_norm_qkv_rope_is_the_unfused_kernels_in_one(dtype, n, heads, kv_heads, d, bias,
+                                                       with_residual):
+    hidden = 96 if d == 32 else 576  # 576: nine K steps of 64; 96: a ragged last one
+    x = randn(n, hidden, dtype=dtype, seed=n)
+    residual = randn(n, hidden, dtype=dtype, seed=n + 1) if with_residual else None
+    norm = RMSNorm(hidden, 1e-5).to(DEVICE)
+    norm.weight.data = (randn(hidden, seed=3).abs() + 0.5).to(dtype)
+    rows = (heads + 2 * kv_heads) * d
+    w = randn(rows, hidden, dtype=dtype, seed=4) * 0.1
+    b = randn(rows, dtype=dtype, seed=5) * 0.1 if bias else None
+    rope = rope_table(n, d // 2)
+    slots = torch.arange(n, device=DEVICE) * 3
+    slots[n // 2] = -1  # a graph's padding row writes nothing
+    fill = torch.full((n, 4, kv_heads, d), 7.0, dtype=dtype, device=DEVICE)
+    normed = norm(x) if residual is None else norm(x, residual)
+    normed, want_res = (normed, x) if residual is None else normed
+    want_cache = (fill.clone(), fill.clone())
+    want_q, _ = torch_rope_store(unfused_linear(normed, w, b), rope, heads, kv_heads, d,
+                                 want_cache, slots)
+    cache = (fill.clone(), fill.clone())
+    q, res = OPS.norm_qkv_rope(x, residual, norm.weight, 1e-5, w, b, rope, heads, kv_heads,
+                               cache, slots)
+    assert torch.equal(res, want_res)  # the residual sum, as the unfused norm rounds it
+    assert_near(q, want_q.contiguous())
+    for got, want in zip(cache, want_cache):
+        assert_near(got, want)
+    written = (cache[0].view(-1, kv_heads * d) != 7).any(-1)
+    assert written.sum().item() == n - 1  # every row's slot but the padding row's
+
+
+@pytest.mark.parametrize("dtype,n,bias", [(torch.bfloat16, 1, False), (torch.bfloat16, 33, True),
+                                          (torch.float16, 20, False)])
+def test_norm_gate_up_silu_is_the_unfused_kernels_in_one(dtype, n, bias):
+    hidden, inter = 96, 80  # 80: a ragged last column tile
+    x = randn(n, hidden, dtype=dtype, seed=n)
+    residual = randn(n, hidden, dtype=dtype, seed=n + 7)
+    norm = RMSNorm(hidden, 1e-5).to(DEVICE)
+    norm.weight.data = (randn(hidden, seed=3).abs() + 0.5).to(dtype)
+    w = randn(2 * inter, hidden, dtype=dtype, seed=6) * 0.1
+    b = randn(2 * inter, dtype=dtype, seed=8) * 0.1 if bias else None
+    normed, want_res = norm(x, residual)
+    want = silu_and_mul(unfused_linear(normed, w, b))
+    out, res = OPS.norm_gate_up_silu(x, residual, norm.weight, 1e-5, w, b)
+    assert torch.equal(res, want_res)
+    assert_near(out, want)
+
+
 def test_split_kv_reads_only_what_its_programs_wrote(monkeypatch):
     """The split-KV buffers come uninitialised (no fill kernel per layer): filled with NaN here,
     decode rows (with a graph's padding rows: slot -1, no keys) still match the reference, so
@@ -190,7 +263,9 @@ def tiny_dirs(tmp_path_factory):
     pytest.importorskip("transformers")
     from tests.tiny_models import make_hf_model, save_hf_model
 
-    return {arch: save_hf_model(make_hf_model(arch), tmp_path_factory.mktemp(arch))
+    # heads of 32 dims: RoPE's halves are 16 wide, the least the GEMM-fused kernels take
+    return {arch: save_hf_model(make_hf_model(arch, hidden_size=128),
+                                tmp_path_factory.mktemp(arch))
             for arch in sorted({arch for arch, _ in MODELS})}
 
 
@@ -219,29 +294,46 @@ MODELS = [(arch, dtype) for arch in ("llama", "qwen2", "qwen3") for dtype in ("f
 @pytest.mark.parametrize("arch,dtype", MODELS)
 def test_a_model_forward_is_the_same_fused(tiny_dirs, arch, dtype, monkeypatch):
     from tokenmill.attention import triton_paged
+    from tokenmill.model.llama import LlamaDecoderLayer
+    from tokenmill.model.linear import plan_linears
     from tokenmill.model.loader import load_model, use_gpu_ops
+    from tokenmill.platform import Machine
 
     if DEVICE == "cpu":  # the interpreter runs each program in Python: fewer of them
         monkeypatch.setattr(triton_paged, "num_splits", lambda tiles: 1)
 
-    model = load_model(str(tiny_dirs[arch]), DEVICE, dtype=dtype,
-                       attention_backend="triton").model
+    # F.linear on the weights as loaded, as on a GPU (a CPU would pack them for its kernels)
+    plan = plan_linears(Machine.detect(DEVICE), dtype, cpu_kernels=False)
+    model = load_model(str(tiny_dirs[arch]), DEVICE, dtype=dtype, attention_backend="triton",
+                       plan=plan).model
     cfg = model.config
     shape = (8, 4, cfg.num_kv_heads, cfg.head_dim)
     dt = getattr(torch, dtype)
-    results = []
-    for ops in (None, OPS):
+    calls = []
+    fused_layer = LlamaDecoderLayer._gemm_fused
+    monkeypatch.setattr(LlamaDecoderLayer, "_gemm_fused",
+                        lambda *a: calls.append(1) or fused_layer(*a))
+    results, gemm_calls = [], []
+    # PyTorch's ops; the fused norms, RoPE and SiLU around cuBLAS; the GEMM-fused kernels
+    for ops in (None, FusedOps((DEVICE,), gemm_rows=0), OPS):
         use_gpu_ops(model, ops)
+        calls.clear()
         caches = [(torch.zeros(shape, dtype=dt, device=DEVICE),
                    torch.zeros(shape, dtype=dt, device=DEVICE)) for _ in range(cfg.num_layers)]
         results.append((run_steps(model, caches, 4), caches))
-    (plain, plain_caches), (fused, fused_caches) = results
+        gemm_calls.append(len(calls))
+    # 16-bit Llama and Qwen2 layers take the GEMM-fused kernels; float32 and Qwen3's q/k
+    # norms do not
+    takes = dtype != "float32" and arch != "qwen3"
+    assert gemm_calls == [0, 0, 2 * cfg.num_layers if takes else 0]
+    (plain, plain_caches), *fused_runs = results
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=0.05, atol=0.05)
-    for a, b in zip(fused, plain):
-        torch.testing.assert_close(a.cpu(), b.cpu(), **tol)
-    for (fk, fv), (pk, pv) in zip(fused_caches, plain_caches):
-        torch.testing.assert_close(fk.cpu().float(), pk.cpu().float(), **tol)
-        torch.testing.assert_close(fv.cpu().float(), pv.cpu().float(), **tol)
+    for fused, fused_caches in fused_runs:
+        for a, b in zip(fused, plain):
+            torch.testing.assert_close(a.cpu(), b.cpu(), **tol)
+        for (fk, fv), (pk, pv) in zip(fused_caches, plain_caches):
+            torch.testing.assert_close(fk.cpu().float(), pk.cpu().float(), **tol)
+            torch.testing.assert_close(fv.cpu().float(), pv.cpu().float(), **tol)
 
 
 def test_the_loader_hands_the_kernels_only_to_a_gpu_llama():

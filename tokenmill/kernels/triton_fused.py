@@ -36,6 +36,10 @@ import triton.language as tl
 # cache dtypes holding quantized rows with their scales: stored by the attention backend
 _QUANTIZED = (torch.int8, torch.uint8)
 _SILU_BLOCK = 1024
+# the GEMM-fused kernels: batches up to this many rows, K in steps of this many
+GEMM_ROWS = 1024
+_GEMM_BK = 64
+_DOT_DTYPES = (torch.bfloat16, torch.float16)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -142,6 +146,156 @@ def _rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, k_cache_ptr, v_cache
         tl.store(k_ptr + token * (NUM_KV_HEADS * HEAD_DIM) + kv_offs, k, mask=kv_ok)
 
 
+@triton.jit
+def _normed_tile(x_ptr, res_ptr, ln_ptr, res_out_ptr, rows, row_ok, k, x_stride, res_stride,
+                 n_cols, rstd, store_residual, HAS_RESIDUAL: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """A (rows, k) tile of RMSNorm(x [+ residual]) in the dtype, rounded as ``_rms_norm``
+    rounds; the sum x + residual (the new residual) written where ``store_residual``."""
+    ok = row_ok[:, None] & (k < n_cols)[None, :]
+    xf = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=ok, other=0.0)
+    xf = xf.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * res_stride + k[None, :], mask=ok, other=0.0)
+        x = _round_for(xf + r.to(tl.float32), x_ptr, INTERPRET)
+        tl.store(res_out_ptr + rows[:, None] * n_cols + k[None, :], x,
+                 mask=ok & store_residual)
+        xf = x.to(tl.float32)
+    normed = _round_for(xf * rstd[:, None], x_ptr, INTERPRET).to(tl.float32)
+    w = tl.load(ln_ptr + k, mask=k < n_cols, other=0.0).to(tl.float32)
+    return _round_for(w[None, :] * normed, x_ptr, INTERPRET)
+
+
+@triton.jit
+def _row_rstd(x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, n_cols, inv_n, eps,
+              HAS_RESIDUAL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """1 / RMS of each row of x (+ residual, rounded to the dtype first), in float32."""
+    ss = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, n_cols, BK):
+        k = k0 + tl.arange(0, BK)
+        ok = row_ok[:, None] & (k < n_cols)[None, :]
+        xf = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=ok, other=0.0)
+        xf = xf.to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows[:, None] * res_stride + k[None, :], mask=ok, other=0.0)
+            xf = _round_for(xf + r.to(tl.float32), x_ptr, INTERPRET).to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+    return tl.math.rsqrt(ss * inv_n + eps)
+
+
+@triton.jit
+def _norm_gemm_pair(x_ptr, res_ptr, ln_ptr, res_out_ptr, w_ptr, rows, row_ok, cols_a, cols_b,
+                    x_stride, res_stride, n_cols, inv_n, eps, store_residual,
+                    HAS_RESIDUAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """RMSNorm(x [+ residual]) times two column tiles of the weight ``w`` ((N, K), rows of
+    output features): two (BM, BN) float32 accumulators. The new residual is written where
+    ``store_residual`` (one program of a row tile)."""
+    rstd = _row_rstd(x_ptr, res_ptr, rows, row_ok, x_stride, res_stride, n_cols, inv_n, eps,
+                     HAS_RESIDUAL, BM, BK, INTERPRET)
+    acc_a = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_b = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, n_cols, BK):
+        k = k0 + tl.arange(0, BK)
+        a = _normed_tile(x_ptr, res_ptr, ln_ptr, res_out_ptr, rows, row_ok, k, x_stride,
+                         res_stride, n_cols, rstd, store_residual, HAS_RESIDUAL, INTERPRET)
+        k_ok = (k < n_cols)[:, None]
+        wa = tl.load(w_ptr + cols_a[None, :].to(tl.int64) * n_cols + k[:, None], mask=k_ok,
+                     other=0.0)
+        wb = tl.load(w_ptr + cols_b[None, :].to(tl.int64) * n_cols + k[:, None], mask=k_ok,
+                     other=0.0)
+        if INTERPRET:  # the interpreter's dot misreads bfloat16 (its products are exact
+            a = a.to(tl.float32)  # in float32 anyway)
+            wa = wa.to(tl.float32)
+            wb = wb.to(tl.float32)
+        acc_a = tl.dot(a, wa, acc_a)
+        acc_b = tl.dot(a, wb, acc_b)
+    return acc_a, acc_b
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _norm_qkv_rope_store(x_ptr, res_ptr, ln_ptr, res_out_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr,
+                         q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, n_rows, x_stride, res_stride,
+                         cos_stride, sin_stride, n_cols, inv_n, eps,
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                         HALF: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """One decoder layer's attention input in one launch: residual add + RMSNorm, the fused
+    QKV GEMM, RoPE of q and k and the K/V write. Program (row tile, head): q heads, then k
+    heads, then v heads, each head's two halves the two accumulators."""
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < n_rows
+    rows = rows.to(tl.int64)
+    d = tl.arange(0, HALF)
+    cols_lo = head * (2 * HALF) + d
+    lo, hi = _norm_gemm_pair(x_ptr, res_ptr, ln_ptr, res_out_ptr, w_ptr, rows, row_ok, cols_lo,
+                             cols_lo + HALF, x_stride, res_stride, n_cols, inv_n, eps,
+                             head == 0, HAS_RESIDUAL, BM, HALF, BK, INTERPRET)
+    if HAS_BIAS:
+        lo += tl.load(bias_ptr + cols_lo).to(tl.float32)[None, :]
+        hi += tl.load(bias_ptr + cols_lo + HALF).to(tl.float32)[None, :]
+    # the GEMM's output in the dtype, as qkv_proj's would be
+    lo = _round_for(lo, x_ptr, INTERPRET).to(tl.float32)
+    hi = _round_for(hi, x_ptr, INTERPRET).to(tl.float32)
+    ok = row_ok[:, None]
+    if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: rotate-half RoPE, as _rotated computes it
+        cos = tl.load(cos_ptr + rows[:, None] * cos_stride + d[None, :], mask=ok, other=1.0)
+        sin = tl.load(sin_ptr + rows[:, None] * sin_stride + d[None, :], mask=ok, other=0.0)
+        new_lo = lo * cos - hi * sin
+        new_hi = hi * cos + lo * sin
+        if head < NUM_HEADS:
+            dst = q_ptr + rows[:, None] * (NUM_HEADS * 2 * HALF) + head * (2 * HALF) + d[None, :]
+            tl.store(dst, _round_for(new_lo, x_ptr, INTERPRET), mask=ok)
+            tl.store(dst + HALF, _round_for(new_hi, x_ptr, INTERPRET), mask=ok)
+        else:
+            slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+            keep = ok & (slot >= 0)[:, None]
+            dst = k_cache_ptr + slot[:, None] * (NUM_KV_HEADS * 2 * HALF) + \
+                (head - NUM_HEADS) * (2 * HALF) + d[None, :]
+            # rounded to the dtype as RoPE rounds, then to the cache's
+            k_lo = _round_for(new_lo, x_ptr, INTERPRET).to(tl.float32)
+            k_hi = _round_for(new_hi, x_ptr, INTERPRET).to(tl.float32)
+            tl.store(dst, _round_for(k_lo, k_cache_ptr, INTERPRET), mask=keep)
+            tl.store(dst + HALF, _round_for(k_hi, k_cache_ptr, INTERPRET), mask=keep)
+    else:
+        slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        keep = ok & (slot >= 0)[:, None]
+        dst = v_cache_ptr + slot[:, None] * (NUM_KV_HEADS * 2 * HALF) + \
+            (head - NUM_HEADS - NUM_KV_HEADS) * (2 * HALF) + d[None, :]
+        tl.store(dst, _round_for(lo, v_cache_ptr, INTERPRET), mask=keep)
+        tl.store(dst + HALF, _round_for(hi, v_cache_ptr, INTERPRET), mask=keep)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _norm_gate_up_silu(x_ptr, res_ptr, ln_ptr, res_out_ptr, w_ptr, bias_ptr, out_ptr, n_rows,
+                       x_stride, res_stride, n_cols, inv_n, eps, size,
+                       HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """The MLP's first half in one launch: residual add + RMSNorm, the gate/up GEMM (gate
+    rows ``[0, size)`` of the weight, up rows ``[size, 2 size)``) and silu(gate) * up."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < n_rows
+    rows = rows.to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_ok = cols < size
+    cols = tl.where(col_ok, cols, 0)  # masked columns read row 0 and are not stored
+    gate, up = _norm_gemm_pair(x_ptr, res_ptr, ln_ptr, res_out_ptr, w_ptr, rows, row_ok, cols,
+                               cols + size, x_stride, res_stride, n_cols, inv_n, eps,
+                               tl.program_id(1) == 0, HAS_RESIDUAL, BM, BN, BK, INTERPRET)
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        up += tl.load(bias_ptr + cols + size).to(tl.float32)[None, :]
+    gate = _round_for(gate, x_ptr, INTERPRET).to(tl.float32)
+    up = _round_for(up, x_ptr, INTERPRET).to(tl.float32)
+    act = _round_for(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), x_ptr, INTERPRET)
+    tl.store(out_ptr + rows[:, None] * size + cols[None, :],
+             _round_for(act.to(tl.float32) * up, x_ptr, INTERPRET),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -156,8 +310,11 @@ class FusedOps:
     family's modules when they run on a GPU with the Triton attention backend (``gpu_ops``).
     ``device_types``: where ``takes`` says yes (the tests add "cpu", under the interpreter)."""
 
-    def __init__(self, device_types: tuple[str, ...] = ("cuda",)):
+    def __init__(self, device_types: tuple[str, ...] = ("cuda",), gemm_rows: int | None = None):
         self.device_types = device_types
+        # batches of up to this many tokens (decode steps) take the GEMM-fused kernels:
+        # ``norm_qkv_rope`` and ``norm_gate_up_silu``; a prompt's many rows stay on cuBLAS
+        self.gemm_rows = GEMM_ROWS if gemm_rows is None else gemm_rows
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.device.type in self.device_types
@@ -222,6 +379,72 @@ class FusedOps:
                 HEAD_DIM=head_dim, HEAD_PAD=_next_pow2(head_dim), HALF=cos.shape[1], STORE=store,
                 INTERPRET=INTERPRETED, enable_fp_fusion=False)
         return q, k, v, store
+
+    def gemm_fuses(self, x: torch.Tensor, weight: torch.Tensor,
+                   kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether ``x``'s rows go through the GEMM-fused kernels with this 16-bit weight
+        (float32 stays on cuBLAS: ``tl.dot`` would take it as TF32) and KV cache (a quantized
+        one is stored by the backend)."""
+        return (x.shape[0] <= self.gemm_rows and x.device.type in self.device_types
+                and weight.dtype in _DOT_DTYPES and x.dtype == weight.dtype
+                and kv_cache[0].dtype not in _QUANTIZED)
+
+    def norm_qkv_rope(self, x: torch.Tensor, residual: torch.Tensor | None,
+                      norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      bias: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                      heads: int, kv_heads: int, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_layernorm`` (of ``x + residual``), the QKV GEMM with ``weight`` ((heads +
+        2 kv_heads) * head_dim, hidden) and ``bias``, RoPE (every dim rotated) and the K/V
+        write into a 16-bit cache, in one launch: ``(q (tokens, heads, head_dim), the new
+        residual)``."""
+        x = _rows(x)
+        n, size = x.shape
+        cos, sin = rope
+        half = cos.shape[-1]
+        q = torch.empty((n, heads, 2 * half), dtype=x.dtype, device=x.device)
+        res_out = x if residual is None else torch.empty_like(x)
+        if n == 0:
+            return q, res_out
+        res = x if residual is None else _rows(residual)
+        cos, sin = _rows(cos.reshape(n, half)), _rows(sin.reshape(n, half))
+        k_cache, v_cache = kv_cache
+        bm = _row_block(n)
+        _norm_qkv_rope_store[(triton.cdiv(n, bm), heads + 2 * kv_heads)](
+            x, res, norm_weight, res_out, weight, weight if bias is None else bias, cos, sin, q,
+            k_cache, v_cache, slot_mapping, n, x.stride(0), res.stride(0), cos.stride(0),
+            sin.stride(0), size, 1.0 / size, eps, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads,
+            HALF=half, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BM=bm,
+            BK=_GEMM_BK, INTERPRET=INTERPRETED, enable_fp_fusion=False)
+        return q, res_out
+
+    def norm_gate_up_silu(self, x: torch.Tensor, residual: torch.Tensor | None,
+                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``post_attention_layernorm`` (of ``x + residual``), the gate/up GEMM with
+        ``weight`` (2 I, hidden) and silu(gate) * up, in one launch: ``((tokens, I), the new
+        residual)``."""
+        x = _rows(x)
+        n, size = x.shape
+        inter = weight.shape[0] // 2
+        out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+        res_out = x if residual is None else torch.empty_like(x)
+        if n == 0:
+            return out, res_out
+        res = x if residual is None else _rows(residual)
+        bm = _row_block(n)
+        bn = 32 if n <= 16 else 64  # one row: more, narrower column tiles
+        _norm_gate_up_silu[(triton.cdiv(n, bm), triton.cdiv(inter, bn))](
+            x, res, norm_weight, res_out, weight, weight if bias is None else bias, out, n,
+            x.stride(0), res.stride(0), size, 1.0 / size, eps, inter,
+            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BM=bm, BN=bn,
+            BK=_GEMM_BK, INTERPRET=INTERPRETED, enable_fp_fusion=False)
+        return out, res_out
+
+
+def _row_block(n: int) -> int:
+    """Rows per program of the GEMM-fused kernels (``tl.dot`` takes 16 at least)."""
+    return 16 if n <= 16 else 32 if n <= 32 else 64
 
 
 __all__ = ["FusedOps"]

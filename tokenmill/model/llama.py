@@ -21,6 +21,7 @@ from tokenmill.attention import AttentionBackend, AttentionMetadata
 from tokenmill.config import ModelConfig
 from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, ShardedLinear, apply_rope
 from tokenmill.model.layers import Embedding, silu_and_mul
+from tokenmill.model.linear.dense import Dense
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -118,6 +119,9 @@ class LlamaDecoderLayer(nn.Module):
         return LlamaMLP(cfg, comm)
 
     def forward(self, rope, h, residual, kv_cache: KVCache, meta: AttentionMetadata):
+        gpu = self.self_attn.gpu_ops if type(self.self_attn) is LlamaAttention else None
+        if gpu is not None and self._gemm_fusable(gpu, h, rope, kv_cache):
+            return self._gemm_fused(gpu, rope, h, residual, kv_cache, meta)
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
@@ -125,6 +129,39 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(rope, h, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+
+    def _gemm_fusable(self, gpu, h: torch.Tensor, rope, kv_cache: KVCache) -> bool:
+        """Whether this step's rows take the GEMM-fused GPU kernels: a decode-sized batch,
+        plain 16-bit q/k/v and gate/up weights (no LoRA, no tensor-parallel sums, no q/k norm,
+        a dense gated MLP) and RoPE over whole heads."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.q_norm is not None or attn.comm is not None or type(mlp) is not LlamaMLP \
+                or mlp.comm is not None or attn.qkv_proj.lora is not None \
+                or mlp.gate_up_proj.lora is not None:
+            return False
+        qkv, gate_up = attn.qkv_proj.kernel, mlp.gate_up_proj.kernel
+        half = rope[0].shape[-1]
+        return (type(qkv) is Dense and type(gate_up) is Dense and 2 * half == attn.head_dim
+                and half >= 16 and half & (half - 1) == 0
+                and gpu.gemm_fuses(h, qkv.weight, kv_cache) and gate_up.weight.dtype == h.dtype)
+
+    def _gemm_fused(self, gpu, rope, h, residual, kv_cache: KVCache, meta: AttentionMetadata):
+        """The layer in five launches (``kernels/triton_fused.py``): norm + QKV GEMM + RoPE +
+        K/V write, attention, o_proj, norm + gate/up GEMM + SiLU·mul, down_proj."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, gate_up = attn.qkv_proj.kernel, mlp.gate_up_proj.kernel
+        norm = self.input_layernorm
+        q, residual = gpu.norm_qkv_rope(h, residual, norm.weight, norm.eps, qkv.weight, qkv.bias,
+                                        rope, attn.num_heads, attn.num_kv_heads, kv_cache,
+                                        meta.slot_mapping)
+        o = attn.backend.forward(q, None, None, kv_cache, meta, attn.scale, window=attn.window,
+                                 kv_stored=True)
+        h = attn.o_proj(o.reshape(h.shape[0], -1))
+        norm = self.post_attention_layernorm
+        act, residual = gpu.norm_gate_up_silu(h, residual, norm.weight, norm.eps,
+                                              gate_up.weight, gate_up.bias)
+        return mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):
