@@ -312,8 +312,8 @@ class FusedOps:
 
     def __init__(self, device_types: tuple[str, ...] = ("cuda",), gemm_rows: int | None = None):
         self.device_types = device_types
-        # batches of up to this many tokens (decode steps) take the GEMM-fused kernels:
-        # ``norm_qkv_rope`` and ``norm_gate_up_silu``; a prompt's many rows stay on cuBLAS
+        # eager batches of up to this many tokens take the GEMM-fused kernels
+        # (``norm_qkv_rope``, ``norm_gate_up_silu``); a long prompt's rows stay on cuBLAS
         self.gemm_rows = GEMM_ROWS if gemm_rows is None else gemm_rows
 
     def takes(self, x: torch.Tensor) -> bool:
@@ -385,9 +385,15 @@ class FusedOps:
         """Whether ``x``'s rows go through the GEMM-fused kernels with this 16-bit weight
         (float32 stays on cuBLAS: ``tl.dot`` would take it as TF32) and KV cache (a quantized
         one is stored by the backend)."""
-        return (x.shape[0] <= self.gemm_rows and x.device.type in self.device_types
+        if not (x.shape[0] <= self.gemm_rows and x.device.type in self.device_types
                 and weight.dtype in _DOT_DTYPES and x.dtype == weight.dtype
-                and kv_cache[0].dtype not in _QUANTIZED)
+                and kv_cache[0].dtype not in _QUANTIZED):
+            return False
+        # Eager steps only. In a captured CUDA graph a launch costs the host nothing, and
+        # there cuBLAS's GEMMs with the separate norm / RoPE / SiLU kernels measured faster on
+        # an H100 (docs/benchmarks.md); an eager step (a prompt, a batch no graph holds) is
+        # bound by the host's launches, which these halve.
+        return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def norm_qkv_rope(self, x: torch.Tensor, residual: torch.Tensor | None,
                       norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
