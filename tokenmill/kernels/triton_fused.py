@@ -20,6 +20,13 @@ slot < 0 writes nothing: a captured CUDA graph's padding rows), rounded to the c
 ``kv_quant.as_cache_rows`` does. A quantized cache (int8, fp8) is not written here: the rotated k
 comes back and the backend quantizes and stores it as before.
 
+``_norm_qkv_rope_store`` and ``_norm_gate_up_silu`` take the GEMMs in too: residual add +
+RMSNorm as the prologue of a ``tl.dot`` loop over the 16-bit weight, then RoPE and the K/V write
+(one program per row tile and head, the head's two halves as two accumulators) or SiLU·mul
+(gate and up columns as two accumulators) as the epilogue; a layer is then five launches
+(``LlamaDecoderLayer._gemm_fused``). Used for eager steps only (``FusedOps.gemm_fuses``): inside
+a CUDA graph cuBLAS with the kernels above measured faster on an H100.
+
 Every launch turns floating-point contraction off: PyTorch multiplies and adds in separate
 rounded steps, and a fused multiply-add would change the last bit. Nothing here reads a value
 on the host, and every allocation depends on shapes alone, so a CUDA graph captures it all.
