@@ -48,17 +48,30 @@ def _dtypes() -> list[str]:
     return (["bfloat16"] if caps.bf16_gemm else []) + ["float32"]
 
 
-@pytest.fixture(scope="module", params=_dtypes())
-def case(request):
-    """(the mode-on LLM, the held requests' results run alone) for one dtype."""
+@pytest.fixture(scope="module")
+def cases():
+    """dtype -> (the mode-on LLM, the held requests' results run alone), made when first
+    asked for."""
     if not detect_machine("cpu").kernel_caps.attention:
         pytest.skip("the batch-invariant mode runs on the compiled CPU kernels")
-    llm = LLM("smollm2-135m-instruct", dtype=request.param, batch_invariant=True,
-              num_blocks=192, block_size=BS, max_num_batched_tokens=512, seed=0)
-    assert llm.engine.info.plan["batch_invariant"].startswith("on")
-    alone = [results(run(llm, [HELD], [GREEDY], "alone"))[0],
-             results(run(llm, [HELD_SEEDED], [SEEDED], "alone"))[0]]
-    return llm, alone
+    made: dict[str, tuple] = {}
+
+    def get(dtype: str) -> tuple:
+        if dtype not in made:
+            llm = LLM("smollm2-135m-instruct", dtype=dtype, batch_invariant=True,
+                      num_blocks=192, block_size=BS, max_num_batched_tokens=512, seed=0)
+            assert llm.engine.info.plan["batch_invariant"].startswith("on")
+            alone = [results(run(llm, [HELD], [GREEDY], "alone"))[0],
+                     results(run(llm, [HELD_SEEDED], [SEEDED], "alone"))[0]]
+            made[dtype] = llm, alone
+        return made[dtype]
+    return get
+
+
+@pytest.fixture(params=_dtypes())
+def case(cases, request):
+    """(the mode-on LLM, the held requests' results run alone) for one dtype."""
+    return cases(request.param)
 
 
 def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], salt: str):
@@ -156,14 +169,12 @@ def test_speculative_verification_changes_no_bit(case):
     assert got == alone
 
 
-def test_without_the_mode_the_same_batches_differ(case, monkeypatch):
+def test_without_the_mode_the_same_batches_differ(cases, monkeypatch):
     """The inverse: with the mode off (float32: the same linears, the shared-prefix pass merged
     after the main one) the held prompt's bits move beside mates that share its prefix: the
     scheduler shares their blocks on every CPU and a float32 merge rounds otherwise than one
     pass, so this holds on any machine class (bf16 on AMX differs in more places: oneDNN)."""
-    llm, alone = case
-    if llm.engine.info.dtype != "float32":
-        pytest.skip("bf16 off the mode also routes rows to oneDNN on AMX: shown in float32")
+    llm, alone = cases("float32")
     from tokenmill.model.linear.plan import plan_linears
 
     off = plan_linears(detect_machine("cpu"), "float32")
