@@ -221,6 +221,19 @@ def _norm_gemm_pair(x_ptr, res_ptr, ln_ptr, res_out_ptr, w_ptr, rows, row_ok, co
     return acc_a, acc_b
 
 
+@triton.jit
+def _store_kv_head(cache_ptr, slot_ptr, rows, row_ok, kv_head, lo, hi,
+                   NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, INTERPRET: tl.constexpr):
+    """One KV head's two halves (float32 values of the model's dtype) of each row into the
+    paged cache at the row's slot (a slot < 0 writes nothing), rounded to the cache's dtype."""
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    keep = row_ok[:, None] & (slot >= 0)[:, None]
+    dst = cache_ptr + slot[:, None] * (NUM_KV_HEADS * 2 * HALF) + kv_head * (2 * HALF) + \
+        tl.arange(0, HALF)[None, :]
+    tl.store(dst, _round_for(lo, cache_ptr, INTERPRET), mask=keep)
+    tl.store(dst + HALF, _round_for(hi, cache_ptr, INTERPRET), mask=keep)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _norm_qkv_rope_store(x_ptr, res_ptr, ln_ptr, res_out_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr,
                          q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, n_rows, x_stride, res_stride,
@@ -257,23 +270,14 @@ def _norm_qkv_rope_store(x_ptr, res_ptr, ln_ptr, res_out_ptr, w_ptr, bias_ptr, c
             dst = q_ptr + rows[:, None] * (NUM_HEADS * 2 * HALF) + head * (2 * HALF) + d[None, :]
             tl.store(dst, _round_for(new_lo, x_ptr, INTERPRET), mask=ok)
             tl.store(dst + HALF, _round_for(new_hi, x_ptr, INTERPRET), mask=ok)
-        else:
-            slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-            keep = ok & (slot >= 0)[:, None]
-            dst = k_cache_ptr + slot[:, None] * (NUM_KV_HEADS * 2 * HALF) + \
-                (head - NUM_HEADS) * (2 * HALF) + d[None, :]
-            # rounded to the dtype as RoPE rounds, then to the cache's
-            k_lo = _round_for(new_lo, x_ptr, INTERPRET).to(tl.float32)
-            k_hi = _round_for(new_hi, x_ptr, INTERPRET).to(tl.float32)
-            tl.store(dst, _round_for(k_lo, k_cache_ptr, INTERPRET), mask=keep)
-            tl.store(dst + HALF, _round_for(k_hi, k_cache_ptr, INTERPRET), mask=keep)
+        else:  # rounded to the dtype as RoPE rounds, then to the cache's
+            _store_kv_head(k_cache_ptr, slot_ptr, rows, row_ok, head - NUM_HEADS,
+                           _round_for(new_lo, x_ptr, INTERPRET).to(tl.float32),
+                           _round_for(new_hi, x_ptr, INTERPRET).to(tl.float32), NUM_KV_HEADS,
+                           HALF, INTERPRET)
     else:
-        slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-        keep = ok & (slot >= 0)[:, None]
-        dst = v_cache_ptr + slot[:, None] * (NUM_KV_HEADS * 2 * HALF) + \
-            (head - NUM_HEADS - NUM_KV_HEADS) * (2 * HALF) + d[None, :]
-        tl.store(dst, _round_for(lo, v_cache_ptr, INTERPRET), mask=keep)
-        tl.store(dst + HALF, _round_for(hi, v_cache_ptr, INTERPRET), mask=keep)
+        _store_kv_head(v_cache_ptr, slot_ptr, rows, row_ok, head - NUM_HEADS - NUM_KV_HEADS, lo,
+                       hi, NUM_KV_HEADS, HALF, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
