@@ -283,6 +283,9 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     TokenmillPeer("tokenmill-int8", extra=("--quantization", "int8")),
     TokenmillPeer("tokenmill-int4", extra=("--quantization", "int4")),
     TokenmillPeer("tokenmill-kv-int8", extra=("--kv-cache-dtype", "int8")),
+    # the batch-invariant mode's cost: the default (on where it costs nothing measurable, off
+    # with oneDNN's AMX route) against it off
+    TokenmillPeer("tokenmill-no-bi", extra=("--no-batch-invariant",)),
     VLLMPeer(),
     VLLMPeer("vllm-fp32", "float32"), LlamaCppPeer(), HFPeer())}
 
