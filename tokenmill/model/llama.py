@@ -130,11 +130,11 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-
     def _gemm_fusable(self, gpu, h: torch.Tensor, rope, kv_cache: KVCache) -> bool:
-        """Whether this step's rows take the GEMM-fused GPU kernels: a decode-sized batch,
-        plain 16-bit q/k/v and gate/up weights (no LoRA, no tensor-parallel sums, no q/k norm,
-        a dense gated MLP) and RoPE over whole heads."""
+        """Whether this step's rows take the GEMM-fused GPU kernels (``FusedOps.gemm_fuses``:
+        an eager step of up to ``GEMM_ROWS`` tokens): plain 16-bit q/k/v and gate/up weights
+        (no LoRA, no tensor-parallel sums, no q/k norm, a dense gated MLP), RoPE over whole
+        heads."""
         attn, mlp = self.self_attn, self.mlp
         if attn.q_norm is not None or attn.comm is not None or type(mlp) is not LlamaMLP \
                 or mlp.comm is not None or attn.qkv_proj.lora is not None \
