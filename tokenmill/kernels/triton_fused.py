@@ -420,10 +420,9 @@ class FusedOps:
         cos, sin = rope
         half = cos.shape[-1]
         q = torch.empty((n, heads, 2 * half), dtype=x.dtype, device=x.device)
-        res_out = x if residual is None else torch.empty_like(x)
+        res, res_out = _residual_io(x, residual)
         if n == 0:
             return q, res_out
-        res = x if residual is None else _rows(residual)
         cos, sin = _rows(cos.reshape(n, half)), _rows(sin.reshape(n, half))
         k_cache, v_cache = kv_cache
         bm = _row_block(n)
@@ -445,10 +444,9 @@ class FusedOps:
         n, size = x.shape
         inter = weight.shape[0] // 2
         out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-        res_out = x if residual is None else torch.empty_like(x)
+        res, res_out = _residual_io(x, residual)
         if n == 0:
             return out, res_out
-        res = x if residual is None else _rows(residual)
         bm = _row_block(n)
         bn = 32 if n <= 16 else 64  # one row: more, narrower column tiles
         _norm_gate_up_silu[(triton.cdiv(n, bm), triton.cdiv(inter, bn))](
@@ -457,6 +455,16 @@ class FusedOps:
             HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BM=bm, BN=bn,
             BK=_GEMM_BK, INTERPRET=INTERPRETED, enable_fp_fusion=False)
         return out, res_out
+
+
+def _residual_io(x: torch.Tensor, residual: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the GEMM-fused kernels: the residual they read (``x`` itself when there is none:
+    not read then) and the new residual they write (``x`` when there is none: the first
+    layer's input is its residual, nothing to write)."""
+    if residual is None:
+        return x, x
+    return _rows(residual), torch.empty_like(x)
 
 
 def _row_block(n: int) -> int:
