@@ -6,7 +6,8 @@ of one decode step of a model shape through each kernel the plan may pick, again
 
 float32: ``Dense``, ``OneDnn`` (oneDNN's prepacked weights) and ``F32Packed`` (the CPU kernels'
 GEMM); bf16 (where the CPU has AVX512-BF16): ``Dense``, ``Bf16Rows`` (a few rows, on the plain
-weight; ``SMALL_M_ROWS``) and ``Bf16Packed``. Random weights of the model's shapes (fused qkv,
+weight; ``SMALL_M_ROWS``), ``Bf16Packed`` and ``Bf16PackedF32`` (its weight's rows as float32
+FMAs, the same bits). Random weights of the model's shapes (fused qkv,
 o, fused gate/up, down per layer, then lm_head); prints milliseconds per step for each number of
 input rows (= sequences in a step).
 """
@@ -93,7 +94,16 @@ def main() -> None:
         "Dense": built(lambda w: Dense(w, None), weights),
         "Bf16Rows": built(lambda w: Bf16Rows(w, None, ops), weights),
         "Bf16Packed": built(lambda w: Bf16Packed.build(w, None, ops), weights),
+        "Bf16PackedF32": built(lambda w: widened(Bf16Packed.build(w, None, ops)), weights),
     }, [int(r) for r in args.bf16_rows.split(",")], args.reps, torch.bfloat16)
+
+
+def widened(kernel: Bf16Packed | None) -> Bf16Packed | None:
+    """``kernel`` with every row count on float32 FMAs (vdpbf16ps's bits; csrc/bf16_gemm.h's
+    WidenRows), as the load routes prompt rows where its trial measures them faster."""
+    if kernel is not None:
+        kernel.widen_from = 1
+    return kernel
 
 
 if __name__ == "__main__":

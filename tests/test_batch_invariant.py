@@ -283,6 +283,9 @@ def gemms(ops) -> dict[str, tuple]:
     if ops.has_bf16_gemm:
         packed = ops.pack_bf16_weight(w.bfloat16())
         out["bf16-packed"] = (lambda x: ops.linear_bf16_packed(x, packed, None), torch.bfloat16)
+        # float32 FMAs from 16 rows (the load's trial picks the rows): vdpbf16ps's bits
+        out["bf16-packed-widened"] = (
+            lambda x: ops.linear_bf16_packed(x, packed, None, widen_from=16), torch.bfloat16)
         out["bf16-rows"] = (lambda x: ops.linear_bf16_rows(x, w.bfloat16(), None), torch.bfloat16)
     if ops.has_bf16_amx:
         out["bf16-amx"] = (lambda x: ops.linear_bf16_packed(x, packed, None, True), torch.bfloat16)

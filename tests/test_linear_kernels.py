@@ -264,6 +264,60 @@ def test_gate_up_with_silu_in_the_epilogue_is_the_two_step_result(rows):
     assert Bf16PackedSilu.build(biased.weight, biased.bias, ops) is None
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("n,k,bias", [(48, 33, True), (2 * 96, 72, False), (64, 576, False)])
+def test_float32_fmas_give_vdpbf16ps_bits_at_every_row_count(n, k, bias):
+    """WidenRows (csrc/bf16_gemm.h), what the load routes prompt rows to where it measures
+    faster: vdpbf16ps's bits through row tiles of 1-8, 64-row scratch chunks, an odd K's zero
+    partner, a bias, the SiLU·mul epilogue, sums that cancel (rows 1000x the rest) and the
+    kernel object's route."""
+    layer = linear(n, k, torch.bfloat16, bias, seed=n + k)
+    kernel = Bf16Packed.build(layer.weight, layer.bias, ops)
+    for rows in (1, 8, 9, 64, 65, 130):
+        x = torch.randn(rows, k)
+        x[::3] *= 1000
+        x = x.bfloat16()
+        dot, wide = (ops.linear_bf16_packed(x, kernel.packed, layer.bias, widen_from=r)
+                     for r in (0, 1))
+        assert torch.equal(bits(dot), bits(wide)), rows
+        if not bias:
+            dot, wide = (ops.linear_bf16_packed_silu(x, kernel.packed, None, widen_from=r)
+                         for r in (0, 1))
+            assert torch.equal(bits(dot), bits(wide)), rows
+        kernel.widen_from = 0
+        before = kernel(x)
+        kernel.widen_from = 9
+        assert torch.equal(bits(kernel(x)), bits(before)), rows
+    assert kernel.step_weight().widen_from == 9 and "float32 FMAs from 9 rows" in kernel.describe()
+
+
+@needs_bf16_gemm
+def test_float32_fmas_read_denormal_inputs_as_zero_as_vdpbf16ps_does():
+    """Inputs below bf16's normal range times weights large enough that their products are
+    normal: vdpbf16ps reads the inputs as zero (so must the FMAs: MXCSR's DAZ) and an output that
+    would be denormal is flushed (FTZ)."""
+    w = torch.full((32, 64), 1000.0).bfloat16()
+    packed = ops.pack_bf16_weight(w)
+    x = torch.full((3, 64), 5e-39).bfloat16()
+    assert x[0, 0].item() != 0 and abs(x[0, 0].item()) < torch.finfo(torch.bfloat16).tiny
+    tiny = torch.full((3, 64), 1e-30).bfloat16()  # normal; products 1e-27
+    for widen_from in (0, 1):
+        assert torch.equal(ops.linear_bf16_packed(x, packed, None, widen_from=widen_from),
+                           torch.zeros(3, 32, dtype=torch.bfloat16))
+        small = ops.linear_bf16_packed(tiny, packed, None, widen_from=widen_from)
+        assert (small > 0).all()
+    # products of 1e-40 and their sums are denormal float32: flushed, each step, to zero
+    packed = ops.pack_bf16_weight(torch.full((32, 64), 1e-20).bfloat16())
+    x = torch.full((2, 64), 1e-20).bfloat16()
+    for widen_from in (0, 1):
+        assert torch.equal(ops.linear_bf16_packed(x, packed, None, widen_from=widen_from),
+                           torch.zeros(2, 32, dtype=torch.bfloat16))
+
+
 @needs_bf16_gemm
 @pytest.mark.parametrize("rows,bias", [(2, True), (9, False)])
 def test_bf16_rows_for_a_weight_the_gemm_cannot_pack(rows, bias):

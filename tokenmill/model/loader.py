@@ -17,7 +17,8 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.cpu import load as load_cpu_kernels
 from tokenmill.model.linear import LinearPlan, plan_linears
 from tokenmill.model.linear.setup import apply_formats, build_kernels, choose_onednn_rows
-from tokenmill.model.linear.setup import describe_weights, route_to_onednn
+from tokenmill.model.linear.setup import choose_widen_rows, describe_weights, route_to_onednn
+from tokenmill.model.linear.setup import route_widened
 from tokenmill.model.quant import QUANTIZATIONS, QuantWeight, dequantize
 from tokenmill.model.registry import model_class
 from tokenmill.model.sharding import rank_slice, stage_name
@@ -53,6 +54,7 @@ class LoadedModel:
     # its fallback) and, where the oneDNN trial ran, the rows it routed from (None: none)
     kernels: dict[str, str] = field(default_factory=dict)
     onednn_rows: int | None = None
+    widen_rows: int | None = None  # packed bf16: float32 FMAs from this many rows
 
 
 def load_model(model: str, device: str = "cpu", dtype: str = "float32",
@@ -136,7 +138,8 @@ def read_checkpoint(source: ModelSource, dtype: str, keep_gguf_blocks: bool
 
 def build_linears(loaded: LoadedModel, ops) -> None:
     """The linears in the plan's formats and kernels (``model/linear/setup.py``), the layers'
-    other CPU kernels (``ops``) set, and the oneDNN trial run where the plan says."""
+    other CPU kernels (``ops``) set, and the oneDNN and float32-FMA trials run where the plan
+    says."""
     module, plan = loaded.model, loaded.plan
     apply_formats(module, plan)
     quant_ops = ops if ops is not None else load_cpu_kernels() if plan.needs_quant_ops else None
@@ -148,6 +151,9 @@ def build_linears(loaded: LoadedModel, ops) -> None:
     if plan.onednn_trial:
         loaded.onednn_rows = choose_onednn_rows(module, ops)
         route_to_onednn(module, loaded.onednn_rows, ops)
+    if plan.widen_trial:
+        loaded.widen_rows = choose_widen_rows(module)
+        route_widened(module, loaded.widen_rows)
     loaded.kernels = {name: m.kernel.describe() for name, m in module.named_modules()
                       if hasattr(m, "kernel")}
 

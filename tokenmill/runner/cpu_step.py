@@ -144,6 +144,7 @@ def _layer_weights(ops, layer: torch.nn.Module, steps: dict[str, StepWeight]):
     if _routed(layer):
         w.moe = build_grouped(layer.mlp, ops)
     w.amx = any(step.amx for step in steps.values())  # unsupported() saw all or none
+    w.widen_from = max(step.widen_from for step in steps.values())  # the same bits either way
     for name, step in steps.items():
         setattr(w, name, step.packed)
         setattr(w, f"{name}_bias", None if step.bias is None else step.bias.detach())

@@ -132,6 +132,110 @@ struct DotRows {  // vdpbf16ps, above
   }
 };
 
+// The same sums as DotRows, bit for bit, by float32 FMAs: vdpbf16ps adds, per lane, the odd
+// input's product and then the even one's, each as one FMA rounded to nearest, denormal inputs
+// read as zero and denormal results flushed (the instruction's definition). WidenRows widens
+// the NB column blocks of a task into a float32 panel (per pair: the odd inputs' 16 weights,
+// then the even ones') and the rows of x into float32 once per call, then runs the two FMAs per
+// pair in that order with MXCSR's DAZ and FTZ set. Where vdpbf16ps issues at half the rate of
+// the FMA units (a Xeon with AVX512-BF16 but no AMX exposed: float32's packed GEMM took 143 ms
+// for every linear at 128 rows against bf16's 213), prompt rows go through it from the rows the
+// load's trial picks (model/linear/routed.py) without changing a bit.
+class WidenRows {
+ public:
+  template <int NB>
+  void run(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len, const uint16_t* w,
+           int64_t block_stride, float* out, bool /*prefetch*/) {
+    const int64_t pairs = (k_len + 1) / 2;
+    if (w != panel_of_ || NB != panel_nb_) widen_panel<NB>(w, block_stride, pairs);
+    if (x != x_of_ || rows != x_rows_) widen_rows(x, xs, rows, k_len, pairs);
+    const float* xf = buffer(kRows).data();
+    const float* panel = buffer(kPanel).data();
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);  // FTZ, DAZ
+    for (int64_t r = 0; r < rows; r += 8) {
+      const int64_t n = std::min<int64_t>(8, rows - r);
+      kTiles<NB>[n](xf + r * 2 * pairs, 2 * pairs, pairs, panel, out + r * 32);
+    }
+    _mm_setcsr(csr);
+  }
+
+ private:
+  template <int NB>
+  void widen_panel(const uint16_t* w, int64_t block_stride, int64_t pairs) {
+    std::vector<float>& panel = buffer(kPanel);
+    if (panel.size() < static_cast<size_t>(NB * pairs * 32)) panel.resize(NB * pairs * 32);
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int b = 0; b < NB; ++b)
+      for (int64_t p = 0; p < pairs; ++p) {
+        const __m512i v = _mm512_loadu_si512(w + b * block_stride + p * kPackCols * 2);
+        float* dst = panel.data() + (b * pairs + p) * 32;
+        _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_and_si512(v, high)));  // odd
+        _mm512_storeu_ps(dst + 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));  // even
+      }
+    panel_of_ = w;
+    panel_nb_ = NB;
+  }
+
+  // the rows of x as float32, each 2 * pairs long (an odd K's last pair ends in zero)
+  void widen_rows(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len, int64_t pairs) {
+    std::vector<float>& xf = buffer(kRows);
+    if (xf.size() < static_cast<size_t>(rows * 2 * pairs)) xf.resize(rows * 2 * pairs);
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* src = x + r * xs;
+      float* dst = xf.data() + r * 2 * pairs;
+      int64_t i = 0;
+      for (; i + 16 <= k_len; i += 16)
+        Vec::load(reinterpret_cast<const at::BFloat16*>(src + i)).store(dst + i);
+      for (; i < k_len; ++i) dst[i] = bits_to_float(static_cast<uint32_t>(src[i]) << 16);
+      if (k_len % 2) dst[k_len] = 0.0f;
+    }
+    x_of_ = x;
+    x_rows_ = rows;
+  }
+
+  // ROWS rows of widened x (stride xs floats) times the panel's NB blocks into out (stride 32)
+  template <int ROWS, int NB>
+  static void tile(const float* x, int64_t xs, int64_t pairs, const float* panel, float* out) {
+    __m512 acc[ROWS][NB];
+    for (int r = 0; r < ROWS; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512 wo[NB], we[NB];
+      for (int b = 0; b < NB; ++b) {
+        wo[b] = _mm512_loadu_ps(panel + (b * pairs + p) * 32);
+        we[b] = _mm512_loadu_ps(panel + (b * pairs + p) * 32 + 16);
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 xo = _mm512_set1_ps(x[r * xs + 2 * p + 1]);
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(xo, wo[b], acc[r][b]);
+        const __m512 xe = _mm512_set1_ps(x[r * xs + 2 * p]);
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(xe, we[b], acc[r][b]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * 32 + b * 16, acc[r][b]);
+  }
+
+  using Tile = void (*)(const float*, int64_t, int64_t, const float*, float*);
+  template <int NB>
+  static constexpr Tile kTiles[9] = {nullptr, tile<1, NB>, tile<2, NB>, tile<3, NB>,
+                                     tile<4, NB>, tile<5, NB>, tile<6, NB>, tile<7, NB>,
+                                     tile<8, NB>};
+
+  // the panel and the widened rows, kept by each thread from call to call (no allocation and
+  // no page faults per call); what they hold is valid for this object's call only
+  enum Buffer { kPanel, kRows };
+  static std::vector<float>& buffer(Buffer which) {
+    thread_local std::vector<float> buffers[2];
+    return buffers[which];
+  }
+  const uint16_t* panel_of_ = nullptr;  // the blocks the panel holds (and how many)
+  int panel_nb_ = 0;
+  const uint16_t* x_of_ = nullptr;  // the rows the widened rows are (and how many)
+  int64_t x_rows_ = 0;
+};
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 constexpr bool kHasAmx = true;
 
@@ -291,25 +395,29 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, bool amx, const
               ": amx needs AMX tiles this process may use and K a multiple of 32");
 }
 
-// packed_gemm on AMX tiles or vdpbf16ps
+// packed_gemm on AMX tiles, or by vdpbf16ps, or from widen_from rows (> 0) by WidenRows' float32
+// FMAs (the same bits as vdpbf16ps)
 template <typename Epilogue, typename OutAt>
-void packed_gemm_on(bool amx, const at::Tensor& x, const at::Tensor& packed,
+void packed_gemm_on(bool amx, int64_t widen_from, const at::Tensor& x, const at::Tensor& packed,
                     const Epilogue& epilogue, const OutAt& out_at) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (amx) return packed_gemm<AmxRows>(x, packed, epilogue, out_at);
 #endif
+  if (widen_from > 0 && x.size(0) >= widen_from)
+    return packed_gemm<WidenRows>(x, packed, epilogue, out_at);
   packed_gemm<DotRows>(x, packed, epilogue, out_at);
 }
 
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
-                              const c10::optional<at::Tensor>& bias, bool amx) {
+                              const c10::optional<at::Tensor>& bias, bool amx,
+                              int64_t widen_from) {
   check_packed(x, packed, amx, "linear_bf16_packed");
   const int64_t n_out = packed.size(0) * kPackCols;
   at::Tensor out = at::empty({x.size(0), n_out}, x.options());
   if (x.size(0) == 0) return out;
   const at::BFloat16* bp = bias && bias->defined() ? bias->data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  packed_gemm_on(amx, x, packed, [&](int64_t r, const float* acc, int64_t b0, int nb) {
+  packed_gemm_on(amx, widen_from, x, packed, [&](int64_t r, const float* acc, int64_t b0, int nb) {
     for (int b = 0; b < nb; ++b) {
       const int64_t n = (b0 + b) * kPackCols;
       Vec y = Vec::load(acc + b * kPackCols);
@@ -328,7 +436,8 @@ at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,
 // linear_bf16_packed then silu_and_mul round (gate and up, silu, the product: bf16), so the
 // result is theirs bit for bit.
 at::Tensor linear_bf16_packed_silu(const at::Tensor& x, const at::Tensor& packed,
-                                   const c10::optional<at::Tensor>& bias, bool amx) {
+                                   const c10::optional<at::Tensor>& bias, bool amx,
+                                   int64_t widen_from) {
   check_packed(x, packed, amx, "linear_bf16_packed_silu");
   TORCH_CHECK(packed.size(0) % 2 == 0 && !(bias && bias->defined()),
               "linear_bf16_packed_silu: interleaved gate/up blocks, no bias");
@@ -336,7 +445,7 @@ at::Tensor linear_bf16_packed_silu(const at::Tensor& x, const at::Tensor& packed
   at::Tensor out = at::empty({x.size(0), n_out}, x.options());
   if (x.size(0) == 0) return out;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  packed_gemm_on(amx, x, packed, [&](int64_t r, const float* acc, int64_t b0, int) {
+  packed_gemm_on(amx, widen_from, x, packed, [&](int64_t r, const float* acc, int64_t b0, int) {
     const Vec gate = round_bf16(Vec::load(acc)), up = round_bf16(Vec::load(acc + kPackCols));
     store_as(Vec::mul(round_bf16({silu16(gate.v)}), up), op + r * n_out + b0 / 2 * kPackCols);
   }, [&](int64_t r, int64_t b0) {

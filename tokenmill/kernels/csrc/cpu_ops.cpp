@@ -75,10 +75,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 weight in linear_bf16_packed's layout");
   m.def("linear_bf16_packed", &linear_bf16_packed,
         "bf16 linear over a packed weight, any number of rows (AVX512-BF16; amx: on AMX tiles)",
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("amx") = false, release());
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("amx") = false,
+        py::arg("widen_from") = 0, release());
   m.def("linear_bf16_packed_silu", &linear_bf16_packed_silu,
         "silu(gate) * up from a packed gate/up weight with interleaved column blocks",
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("amx") = false, release());
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("amx") = false,
+        py::arg("widen_from") = 0, release());
   m.attr("has_bf16_gemm") = true;
   m.attr("has_bf16_amx") = kHasAmx && amx_usable();  // linear_bf16_packed(..., amx=True)
 #else

@@ -121,6 +121,7 @@ struct LayerWeights {
   std::shared_ptr<MoEExperts> moe;
   int64_t window = 0;  // sliding-window attention over this many keys; 0: every key
   bool amx = false;  // bf16: its linears on AMX tiles (bf16_gemm.h's AmxRows)
+  int64_t widen_from = 0;  // bf16: from this many rows (> 0) on WidenRows' float32 FMAs
 };
 
 // One linear of a layer as the loop multiplies it.
@@ -129,6 +130,7 @@ struct Proj {
   const c10::optional<at::Tensor>& bias;
   const c10::optional<at::Tensor>& dense;
   bool amx;  // bf16: on AMX tiles
+  int64_t widen_from;  // bf16: WidenRows from this many rows (0: never)
 };
 
 // What differs between the two dtypes; the layer loop (DecoderStack::run) is one.
@@ -140,7 +142,7 @@ struct Bf16Step {
     return rms_norm(x, at::empty({0}, x.options()), w, eps)[0];
   }
   static at::Tensor linear(const at::Tensor& x, const Proj& p) {
-    return linear_bf16_packed(x, p.packed, p.bias, p.amx);
+    return linear_bf16_packed(x, p.packed, p.bias, p.amx, p.widen_from);
   }
   // residual += the projection y of x (dense: y from oneDNN); returns the norm of the sum
   static at::Tensor add_norm(const at::Tensor& x, const Proj& p, bool dense,
@@ -159,7 +161,7 @@ struct Bf16Step {
   }
   static at::Tensor act(const at::Tensor& gate_up) { return silu_and_mul(gate_up); }
   static at::Tensor gated(const at::Tensor& x, const Proj& p) {
-    return linear_bf16_packed_silu(x, p.packed, p.bias, p.amx);
+    return linear_bf16_packed_silu(x, p.packed, p.bias, p.amx, p.widen_from);
   }
   // gated's product before SiLU·mul (column blocks interleaved, as packed), and SiLU·mul of it
   static constexpr bool kInterleaved = true;
@@ -317,7 +319,8 @@ class DecoderStack {
       if (i > 0) h = layers_[i - 1].moe ? K::sum_norm(act, residual, l.input_norm, eps_)
                                         : join<K>(act, down_of(layers_[i - 1]), n, residual,
                                                   l.input_norm, i - 1, kLoRADown);
-      const Proj qkv{l.qkv, l.qkv_bias, l.qkv_dense, l.amx}, o{l.o, l.o_bias, l.o_dense, l.amx};
+      const Proj qkv{l.qkv, l.qkv_bias, l.qkv_dense, l.amx, l.widen_from},
+          o{l.o, l.o_bias, l.o_dense, l.amx, l.widen_from};
       const at::Tensor attended = attention(i, lora_project<K>(h, qkv, n, i, kLoRAQkv), a);
       h = join<K>(attended, o, n, residual, l.post_norm, i, kLoRAO);
       act = l.moe ? l.moe->mlp(h) : gate_up<K>(h, l, n, i);  // MoE: the MLP's output
@@ -358,7 +361,7 @@ class DecoderStack {
   // with LoRA rows, from the product with their deltas added (interleaved as packed, for bf16)
   template <class K>
   at::Tensor gate_up(const at::Tensor& h, const LayerWeights& l, int64_t rows, size_t i) const {
-    const Proj p{l.gate_up, l.gate_up_bias, l.gate_up_dense, l.amx};
+    const Proj p{l.gate_up, l.gate_up_bias, l.gate_up_dense, l.amx, l.widen_from};
     const bool d = dense(p, rows);
     if (!lora_on(i, kLoRAGateUp))
       return d ? K::act(at::linear(h, *p.dense, p.bias)) : K::gated(h, p);
@@ -373,7 +376,7 @@ class DecoderStack {
   }
 
   static Proj down_of(const LayerWeights& l) {
-    return {l.down, l.down_bias, l.down_dense, l.amx};
+    return {l.down, l.down_bias, l.down_dense, l.amx, l.widen_from};
   }
 
   template <class K>
@@ -471,7 +474,8 @@ inline void register_decoder_step(pybind11::module_& m) {
       .def_readwrite("down_dense", &LayerWeights::down_dense)
       .def_readwrite("moe", &LayerWeights::moe)
       .def_readwrite("window", &LayerWeights::window)
-      .def_readwrite("amx", &LayerWeights::amx);
+      .def_readwrite("amx", &LayerWeights::amx)
+      .def_readwrite("widen_from", &LayerWeights::widen_from);
   pybind11::class_<DecoderStack>(m, "DecoderStack",
                                  "the decoder layers of a bf16 or float32 model, run in one call")
       .def(pybind11::init<const std::vector<LayerWeights>&, int64_t, int64_t, int64_t, double,

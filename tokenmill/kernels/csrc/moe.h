@@ -141,8 +141,8 @@ class MoEExperts {
   at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                     const c10::optional<at::Tensor>& bias, bool silu) const {
 #ifdef TOKENMILL_HAS_BF16_GEMM
-    if (bf16) return silu ? linear_bf16_packed_silu(x, packed, bias, false)
-                          : linear_bf16_packed(x, packed, bias, false);
+    if (bf16) return silu ? linear_bf16_packed_silu(x, packed, bias, false, 0)
+                          : linear_bf16_packed(x, packed, bias, false, 0);
 #endif
 #ifdef TOKENMILL_HAS_F32_GEMM
     if (!bf16) return linear_f32_packed(x, packed, bias);

@@ -22,6 +22,9 @@ class StepWeight:
     dense: torch.Tensor | None = None
     dense_from_rows: int | None = None
     amx: bool = False  # bf16: multiplied on AMX tiles (Bf16Amx)
+    # bf16: from this many rows on float32 FMAs over the widened weight, the same bits as
+    # vdpbf16ps (csrc/bf16_gemm.h's WidenRows); 0: vdpbf16ps at every row count
+    widen_from: int = 0
 
 
 class LinearKernel:

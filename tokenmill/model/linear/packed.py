@@ -1,11 +1,14 @@
 """Kernels on a weight packed once for the CPU kernels' GEMMs: float32 (``csrc/f32_gemm.h``,
 also 4/8-bit weights kept in their bits and, in ``csrc/a8_gemm.h``'s layout, multiplied with
 int8 rows of x) and bf16 (``csrc/bf16_gemm.h``, with SiLU·mul in the epilogue for gate/up; on
-vdpbf16ps, or the same packing on AMX tiles).
+vdpbf16ps, from some rows by float32 FMAs with the same bits, or the same packing on AMX tiles).
 Each ``build`` returns None for a weight its kernel cannot take (a size, a format); the loader
 then tries the plan's next kernel."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -83,8 +86,19 @@ class Bf16Packed(LinearKernel):
 
     family = "bf16-packed"
 
+    amx = False  # on AMX tiles (Bf16Amx)
+
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, ops):
         self.packed, self.bias, self.ops = packed, bias, ops
+        # from this many rows the products run as float32 FMAs over the widened weight, the
+        # same bits as vdpbf16ps's (WidenRows in csrc/bf16_gemm.h; the load's trial sets it
+        # where it measured faster: setup.py's ``choose_widen_rows``); 0: never
+        self.widen_from = 0
+
+    def gemm(self, kernel: Callable) -> Callable:
+        """``kernel`` (a packed bf16 GEMM binding) as this layer runs it: on AMX tiles, or
+        by vdpbf16ps and from ``widen_from`` rows by float32 FMAs."""
+        return partial(kernel, amx=self.amx, widen_from=self.widen_from)
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> Bf16Packed | None:
@@ -95,14 +109,20 @@ class Bf16Packed(LinearKernel):
         return cls(ops.pack_bf16_weight(weight.detach()), bias, ops)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return on_rows(self.ops.linear_bf16_packed, x.to(torch.bfloat16), self.packed, self.bias)
+        return on_rows(self.gemm(self.ops.linear_bf16_packed), x.to(torch.bfloat16),
+                       self.packed, self.bias)
 
     @property
     def weight_format(self) -> str:
         return "bfloat16"
 
     def step_weight(self) -> StepWeight:
-        return StepWeight("bf16", self.packed, self.bias, self.applies_silu)
+        return StepWeight("bf16", self.packed, self.bias, self.applies_silu, amx=self.amx,
+                          widen_from=self.widen_from)
+
+    def describe(self) -> str:
+        wide = f", float32 FMAs from {self.widen_from} rows" if self.widen_from else ""
+        return super().describe() + wide
 
 
 class Bf16PackedSilu(Bf16Packed):
@@ -130,13 +150,14 @@ class Bf16PackedSilu(Bf16Packed):
         return cls(interleaved, None, ops)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return on_rows(self.ops.linear_bf16_packed_silu, x.to(torch.bfloat16), self.packed,
-                       self.bias)
+        return on_rows(self.gemm(self.ops.linear_bf16_packed_silu), x.to(torch.bfloat16),
+                       self.packed, self.bias)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x (rows, K) times the gate/up weight, before SiLU·mul: (rows, 2I), each output
         feature where ``interleaved_columns`` puts it."""
-        return on_rows(self.ops.linear_bf16_packed, x.to(torch.bfloat16), self.packed, None)
+        return on_rows(self.gemm(self.ops.linear_bf16_packed), x.to(torch.bfloat16),
+                       self.packed, None)
 
     def activate(self, y: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of ``product``'s output, rounded as the epilogue rounds: (rows, I)."""
@@ -148,11 +169,6 @@ def _amx_ready(weight: torch.Tensor, ops) -> bool:
     return getattr(ops, "has_bf16_amx", False) and weight.shape[-1] % 32 == 0
 
 
-def _on_amx(kernel):
-    """``kernel`` (a packed bf16 GEMM binding) with ``amx=True``."""
-    return lambda x, packed, bias: kernel(x, packed, bias, True)
-
-
 class Bf16Amx(Bf16Packed):
     """``Bf16Packed``'s weight multiplied on AMX tiles (csrc/bf16_gemm.h's AmxRows): each row's
     sums in one order along K at every row count, so one kernel for decode and prompts alike
@@ -160,41 +176,25 @@ class Bf16Amx(Bf16Packed):
     prompt chunks and oneDNN's sums change with the batch's rows)."""
 
     family = "bf16-amx"
+    amx = True
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> Bf16Amx | None:
         plain = Bf16Packed.build(weight, bias, ops) if _amx_ready(weight, ops) else None
         return None if plain is None else cls(plain.packed, bias, ops)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return on_rows(_on_amx(self.ops.linear_bf16_packed), x.to(torch.bfloat16), self.packed,
-                       self.bias)
-
-    def step_weight(self) -> StepWeight:
-        return StepWeight("bf16", self.packed, self.bias, self.applies_silu, amx=True)
-
 
 class Bf16AmxSilu(Bf16PackedSilu):
     """``Bf16PackedSilu`` on AMX tiles (``Bf16Amx``)."""
 
     family = "bf16-amx-silu"
+    amx = True
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None,
               ops) -> Bf16AmxSilu | None:
         plain = Bf16PackedSilu.build(weight, bias, ops) if _amx_ready(weight, ops) else None
         return None if plain is None else cls(plain.packed, None, ops)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return on_rows(_on_amx(self.ops.linear_bf16_packed_silu), x.to(torch.bfloat16),
-                       self.packed, self.bias)
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        return on_rows(_on_amx(self.ops.linear_bf16_packed), x.to(torch.bfloat16), self.packed,
-                       None)
-
-    def step_weight(self) -> StepWeight:
-        return StepWeight("bf16", self.packed, self.bias, True, amx=True)
 
 
 def interleaved_columns(out_features: int) -> torch.Tensor:

@@ -23,6 +23,10 @@ INT8_ACTIVATIONS = True
 # whichever is faster (routed.py): "amx", a bf16 model on a CPU with AMX, whose tiles oneDNN
 # uses and the packed GEMM (vdpbf16ps) does not; "always", any model with packed weights; "never"
 ONEDNN_TRIAL = "amx"
+# Time, at load, packed bf16 weights' rows by vdpbf16ps against float32 FMAs over the widened
+# weight (csrc/bf16_gemm.h's WidenRows: the same bits) and take the FMAs from the rows where
+# they measure faster (a CPU whose vdpbf16ps issues at half its FMA rate); off AMX tiles
+WIDEN_TRIAL = True
 
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 # the module names of each role's layers (a Linear named otherwise is planned as "other")
@@ -69,6 +73,8 @@ class LinearPlan:
     # (``with_batch_invariance``)
     batch_invariant: bool = False
     amx: bool = False  # bf16 on a CPU with AMX: the packed weights may multiply on its tiles
+    # packed bf16 rows timed by vdpbf16ps against float32 FMAs at load (the same bits)
+    widen_trial: bool = False
 
     def format_of(self, role: str) -> str | None:
         return dict(self.formats).get(role)
@@ -120,6 +126,7 @@ class LinearPlan:
                               "quantized": list(self.quant_kernels)},
                 "gguf_blocks": "kept" if self.keep_gguf_blocks else "dequantized at load",
                 "int8_activations": self.int8_activations, "onednn_trial": self.onednn_trial,
+                "widen_trial": self.widen_trial,
                 "batch_invariant": self.batch_invariant, "notes": list(self.notes)}
 
 
@@ -144,7 +151,8 @@ def plan_linears(machine: Machine, dtype: str, quantization: str = "none", *,
         keep_gguf_blocks=quantization == "auto" or in_bits, int8_activations=a8,
         onednn_trial=_onednn_trial(dtype, caps, layer_caps),
         gate_silu=float_kernels[0] == "bf16-packed", notes=notes,
-        amx=float_kernels[0] == "bf16-packed" and caps.amx)
+        amx=float_kernels[0] == "bf16-packed" and caps.amx,
+        widen_trial=WIDEN_TRIAL and float_kernels[0] == "bf16-packed" and not caps.amx)
 
 
 def _effective_quantization(machine: Machine, dtype: str,

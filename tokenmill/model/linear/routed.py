@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -76,16 +77,49 @@ def time_packed_and_dense(candidates: list[OneDnnRouted], rows: tuple[int, ...] 
                           repeats: int = 2) -> dict[int, tuple[float, float]]:
     """``{rows: (packed seconds, oneDNN seconds)}`` for one forward through every candidate,
     best of ``repeats``."""
+    return time_two_ways(candidates, [c.weight.shape[1] for c in candidates],
+                         candidates[0].weight.dtype, lambda c, x: c.packed(x),
+                         lambda c, x: c.dense(x), rows, repeats)
+
+
+def time_two_ways(kernels: list, widths: list[int], dtype: torch.dtype, first: Callable,
+                  second: Callable, rows: tuple[int, ...],
+                  repeats: int = 2) -> dict[int, tuple[float, float]]:
+    """``{rows: (seconds first, seconds second)}``: ``way(kernel, x)`` over every kernel, x of
+    that many rows of its width (``widths``), best of ``repeats`` after a warm-up round."""
     timings = {}
     with torch.inference_mode():
         for n in rows:
-            xs = [torch.randn(n, c.weight.shape[1]).to(c.weight.dtype) for c in candidates]
+            xs = [torch.randn(n, width).to(dtype) for width in widths]
             best = [math.inf, math.inf]
             for _ in range(repeats + 1):  # the first round warms up
-                for i, way in enumerate(("packed", "dense")):
+                for i, way in enumerate((first, second)):
                     start = time.perf_counter()
-                    for c, x in zip(candidates, xs):
-                        c.packed(x) if way == "packed" else c.dense(x)
+                    for k, x in zip(kernels, xs):
+                        way(k, x)
                     best[i] = min(best[i], time.perf_counter() - start)
             timings[n] = (best[0], best[1])
     return timings
+
+
+# Rows at which the loader times vdpbf16ps against WidenRows' float32 FMAs (csrc/bf16_gemm.h;
+# the same bits) for packed bf16 weights, and how much faster the FMAs must be to take a row
+# count and every larger one: on a 2-core Xeon with AVX512-BF16 and no AMX exposed, the default
+# model's linears ran 1.2-1.5x faster on them from 32 rows, at par at 16, slower below
+WIDEN_TRIAL_ROWS = (16, 32, 64, 128, 256, 512)
+WIDEN_MARGIN = 1.05
+
+
+def widened_exact(kernels: list, rows: tuple[int, ...] = (1, 9, 70)) -> bool:
+    """Whether the float32 FMAs give vdpbf16ps's bits on this CPU for every kernel (packed
+    bf16, ``gemm`` taking ``widen_from``), on random rows: the instruction's definition says
+    they must; a CPU that rounds its pairs otherwise keeps vdpbf16ps throughout."""
+    with torch.inference_mode():
+        for n in rows:
+            for k in kernels:
+                x = torch.randn(n, k.packed.shape[1] * 2).to(torch.bfloat16)
+                dot, wide = (k.ops.linear_bf16_packed(x, k.packed, k.bias, widen_from=rows)
+                             for rows in (0, 1))
+                if not torch.equal(dot.view(torch.int16), wide.view(torch.int16)):
+                    return False
+    return True

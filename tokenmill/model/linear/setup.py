@@ -1,7 +1,8 @@
 """A model's linear layers put into the form a ``LinearPlan`` says, after its checkpoint loaded:
 weights quantized (``apply_formats``), each layer's kernel built from the plan's families in
 order (``build_kernels``: the first that takes the weight's size and format), and where the plan
-says, the oneDNN trial and routing (``choose_onednn_rows``, ``route_to_onednn``)."""
+says, the oneDNN trial and routing (``choose_onednn_rows``, ``route_to_onednn``) and the trial of
+float32 FMAs for packed bf16 rows (``choose_widen_rows``, ``route_widened``)."""
 
 from __future__ import annotations
 
@@ -254,3 +255,52 @@ def route_to_onednn(module: nn.Module, rows: int | None, ops) -> None:
             layer.kernel = routed.OneDnnRouted(layer.kernel, layer.weight, layer.bias, rows, ops)
         elif uses[id(layer.weight)] == 1:
             layer.weight = None
+
+
+# ----- float32 FMAs for bf16 rows --------------------------------------------------------------
+
+def _widenable(module: nn.Module) -> Iterator[Linear]:
+    """Layers on a packed bf16 kernel multiplying by vdpbf16ps (not on AMX tiles)."""
+    for _, _, layer in named_linears(module):
+        if isinstance(layer.kernel, Bf16Packed) and not layer.kernel.amx:
+            yield layer
+
+
+def choose_widen_rows(module: nn.Module) -> int | None:
+    """The rows from which the first decoder layer's packed bf16 linears ran faster as float32
+    FMAs over their widened weights than by vdpbf16ps (``routed.time_two_ways``, once per shape
+    in a process), or None: slower, or not the same bits on this CPU."""
+    first = getattr(getattr(module, "model", None), "layers", [None])[0]
+    kernels = [m.kernel for m in _widenable(first)] if first is not None else []
+    if not kernels:
+        return None
+    key = ("widen", tuple((k.family, tuple(k.packed.shape)) for k in kernels),
+           torch.get_num_threads())
+    timings = _TRIAL_TIMINGS.get(key)
+    if timings is None:
+        if not routed.widened_exact(kernels):
+            log.warning("linear kernels: float32 FMAs do not give vdpbf16ps's bits on this CPU; "
+                        "bf16 rows stay on vdpbf16ps")
+            timings = {}
+        else:
+            gemm = kernels[0].ops.linear_bf16_packed
+            timings = routed.time_two_ways(
+                kernels, [k.packed.shape[1] * 2 for k in kernels], torch.bfloat16,
+                lambda k, x: gemm(x, k.packed, k.bias),
+                lambda k, x: gemm(x, k.packed, k.bias, widen_from=1), routed.WIDEN_TRIAL_ROWS)
+        _TRIAL_TIMINGS[key] = timings
+    rows = routed.dense_rows_from(timings, routed.WIDEN_MARGIN)
+    if timings:
+        log.info("linear kernels, one layer's bf16 linears at %s rows: vdpbf16ps %s ms, float32 "
+                 "FMAs %s ms -> %s", "/".join(map(str, timings)),
+                 "/".join(f"{t[0] * 1e3:.2f}" for t in timings.values()),
+                 "/".join(f"{t[1] * 1e3:.2f}" for t in timings.values()),
+                 f"float32 FMAs from {rows} rows" if rows else "vdpbf16ps throughout")
+    return rows
+
+
+def route_widened(module: nn.Module, rows: int | None) -> None:
+    """Multiply ``rows`` rows or more as float32 FMAs on every packed bf16 layer off AMX (the
+    same bits as vdpbf16ps: only the pace changes); None: vdpbf16ps throughout."""
+    for layer in _widenable(module):
+        layer.kernel.widen_from = rows or 0
