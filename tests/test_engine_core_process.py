@@ -198,18 +198,21 @@ def test_a_core_whose_server_is_gone_stops():
 
 
 def test_the_engine_process_default_follows_device_ranks_and_task():
-    """Unasked, the core gets its own process for one GPU generating text, never on a CPU,
-    behind parallel ranks or for a pooling task; asked, as asked. The task comes from the
-    model's metadata without loading it."""
+    """Unasked, the core gets its own process for one worker generating text, on a GPU or a
+    CPU, never behind parallel ranks, with a prefill/decode role or for a pooling task; asked,
+    as asked. The task comes
+    from the model's metadata without loading it."""
     import argparse
 
     from tokenmill.engine.core_client import engine_process_choice
 
     args = argparse.Namespace(engine_process=None, model="smollm2-135m-instruct")
-    assert engine_process_choice(args, {"device": "cuda"}) == (
-        True, "one GPU worker generating text: HTTP apart from the step loop")
-    assert not engine_process_choice(args, {})[0]  # the default device: the CPU
+    one = (True, "one worker generating text: HTTP apart from the step loop")
+    assert engine_process_choice(args, {"device": "cuda"}) == one
+    assert engine_process_choice(args, {}) == one  # the default device: the CPU
     assert not engine_process_choice(args, {"device": "cuda", "tensor_parallel_size": 2})[0]
+    assert not engine_process_choice(args, {"pipeline_parallel_size": 2})[0]
+    assert not engine_process_choice(args, {"kv_role": "producer"})[0]
     off, why = engine_process_choice(args, {"device": "cuda", "task": "embed"})
     assert not off and "embed" in why
     args.engine_process = True

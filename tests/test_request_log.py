@@ -63,7 +63,10 @@ def log_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, log_dir):
+    # in one process: the watchdog's dump reads the scheduler's queues beside the stalled step
+    # (with the core in its own process the dump has no queues: dumps.scheduler_state)
     s = start_server(tmp_path_factory, "--request-log", str(log_dir), "--step-timeout", "1",
+                     "--no-engine-process",
                      "--test-faults", FAULTS, timeout=300)
     yield s
     stop_server(s)

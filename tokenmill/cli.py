@@ -346,7 +346,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)  # engine/faults.py
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine in a process of its own, apart from HTTP (default: on for "
-                        "one GPU generating text, off on a CPU)")
+                        "one worker generating text, GPU or CPU)")
     from tokenmill.engine.lora_modules import add_lora_args
     from tokenmill.server.dashboard_args import add_dashboard_args
     from tokenmill.server.limits import add_limit_args

@@ -61,23 +61,26 @@ _POLL_MS = 1000  # how often a wait on the core checks that it still runs
 def engine_process_choice(args: argparse.Namespace, options: Mapping[str, Any]
                           ) -> tuple[bool, str]:
     """Whether ``serve`` runs the engine core in a process of its own, and why. Unasked: on
-    for one GPU worker serving text generation (an H100 server 1.6-1.75x at c=64-256,
-    docs/benchmarks.md); off on a CPU (10-30% there, for ~260 MiB more and a second copy of
-    the tokenizer), for parallel ranks (not tried behind it) and for pooling models (pooled
-    vectors do not cross its channel)."""
+    for one worker serving text generation, on a GPU (an H100 server 1.6-1.75x at c=64-256)
+    and on a CPU (2 cores: +10-30% at c=32-128 on an AMX Xeon, +34-38% at c=8 and +9-33% at
+    c=32 on an AVX512-BF16 Xeon; docs/benchmarks.md), for ~260 MiB more and a second copy of
+    the tokenizer; off for parallel ranks (not tried behind it), for ``--kv-role`` (a producer's
+    held blocks were not released behind it: tests/test_kv_pd_real.py) and for pooling models
+    (pooled vectors do not cross its channel)."""
     from tokenmill.engine.pooling_requests import serving_task
 
     if args.engine_process is not None:
         return args.engine_process, "asked for"
-    if not str(options.get("device", "cpu")).startswith("cuda"):
-        return False, "a CPU (--engine-process turns it on)"
     if any(options.get(k, 1) > 1 for k in ("tensor_parallel_size", "pipeline_parallel_size",
                                              "nnodes")):
         return False, "parallel ranks (--engine-process turns it on)"
+    if options.get("kv_role"):
+        return False, ("prefill/decode roles: a producer's held blocks are released in one "
+                       "process only (--engine-process turns it on)")
     task = serving_task(args.model, options.get("task"))
     if task != "generate":
         return False, f"the {task} task: pooled vectors do not cross its channel"
-    return True, "one GPU worker generating text: HTTP apart from the step loop"
+    return True, "one worker generating text: HTTP apart from the step loop"
 
 
 def start_core(args: argparse.Namespace, options: dict,
@@ -451,4 +454,9 @@ def _stats(raw: dict) -> EngineStats:
         from tokenmill.speculative.decoder import SpecStats
 
         stats = replace(stats, spec=wire.convert(stats.spec, SpecStats))
+    if any(isinstance(t, dict) for t in stats.kv_tiers.values()):  # the same, per KV tier
+        from tokenmill.kv_transfer.base import TierStats
+
+        stats = replace(stats, kv_tiers={name: wire.convert(t, TierStats) if isinstance(t, dict)
+                                         else t for name, t in stats.kv_tiers.items()})
     return stats

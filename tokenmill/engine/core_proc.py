@@ -22,6 +22,7 @@ import zmq
 
 from tokenmill.engine import core_wire as wire
 from tokenmill.engine.llm_engine import EngineDeadError, LLMEngine
+from tokenmill.errors import TokenmillError
 from tokenmill.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -79,6 +80,9 @@ def _load(spec: CoreSpec, outputs: zmq.Socket) -> LLMEngine | None:
     gc.disable()  # loading makes ~190k long-lived objects: no collections while they pile up
     try:
         engine = _build(spec)
+    except (TokenmillError, ValueError) as e:  # a bad setting: the server says it in one line
+        outputs.send(wire.encode([wire.FAILED, f"{type(e).__name__}: {e}"]))
+        return None
     except BaseException as e:
         logger.exception("the engine core could not start")
         outputs.send(wire.encode([wire.FAILED, f"{type(e).__name__}: {e}"]))
