@@ -112,14 +112,14 @@ WIDEN_MARGIN = 1.05
 
 def widened_exact(kernels: list, rows: tuple[int, ...] = (1, 9, 70)) -> bool:
     """Whether the float32 FMAs give vdpbf16ps's bits on this CPU for every kernel (packed
-    bf16, ``gemm`` taking ``widen_from``), on random rows: the instruction's definition says
-    they must; a CPU that rounds its pairs otherwise keeps vdpbf16ps throughout."""
+    bf16 ones), on random rows: the instruction's definition says they must; a CPU that rounds
+    its pairs otherwise keeps vdpbf16ps throughout."""
     with torch.inference_mode():
         for n in rows:
             for k in kernels:
                 x = torch.randn(n, k.packed.shape[1] * 2).to(torch.bfloat16)
-                dot, wide = (k.ops.linear_bf16_packed(x, k.packed, k.bias, widen_from=rows)
-                             for rows in (0, 1))
+                dot, wide = (k.ops.linear_bf16_packed(x, k.packed, k.bias, widen_from=start)
+                             for start in (0, 1))
                 if not torch.equal(dot.view(torch.int16), wide.view(torch.int16)):
                     return False
     return True
