@@ -85,6 +85,9 @@ class ServerSettings:
     dashboard_show_prompts: bool = False  # /dashboard lists the start of each prompt
 
 
+# Seconds an idle keep-alive connection stays open (uvicorn's default is 5: see run_server)
+KEEP_ALIVE_S = 30
+
 # Routes anyone may call when an API key is set: liveness and what the server is, nothing about
 # its state or its model's output.
 _PUBLIC_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/redoc",
@@ -316,9 +319,13 @@ def run_server(engine: LLMEngine | EngineCoreClient, settings: ServerSettings,
     # The engine drains first (stop taking requests, let running ones finish, then end the
     # rest with an error each client is told); uvicorn's own wait for connections only needs
     # to cover the last bytes of those responses.
+    # Idle keep-alive connections are closed after KEEP_ALIVE_S, longer than the 5 s after which
+    # httpx-based clients (the openai client) drop theirs: with both at 5 s, a client could
+    # send on a connection the server had just closed ("Server disconnected without sending a
+    # response"), the server's clock having started when it sent, the client's when it read.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             timeout_graceful_shutdown=int(settings.shutdown_timeout) + 5,
-                            access_log=False)
+                            timeout_keep_alive=KEEP_ALIVE_S, access_log=False)
     server = _DrainingServer(config, app.state.engine, settings.shutdown_timeout)
     # a worker process gone: the server ends, non-zero, for its supervisor to restart it
     app.state.watchdog.on_broken = lambda: setattr(server, "should_exit", True)
