@@ -200,8 +200,7 @@ def test_a_core_whose_server_is_gone_stops():
 def test_the_engine_process_default_follows_device_ranks_and_task():
     """Unasked, the core gets its own process for one worker generating text, on a GPU or a
     CPU, never behind parallel ranks, with a prefill/decode role or for a pooling task; asked,
-    as asked. The task comes
-    from the model's metadata without loading it."""
+    as asked. The task comes from the model's metadata without loading it."""
     import argparse
 
     from tokenmill.engine.core_client import engine_process_choice

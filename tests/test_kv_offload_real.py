@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_server_support import start_server, stop_server
+from tests.test_server_support import metrics, start_server, stop_server
 from tokenmill import LLM, SamplingParams
 
 # loads the real model or starts servers / ranks: not in the fast loop
@@ -106,8 +106,11 @@ def test_the_disk_tier_survives_a_server_restart(disk_runs, disk_dir, tmp_path_f
     server = start_server(tmp_path_factory, *flags)
     try:
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        # the tier's counters, from the engine core's process where serve runs it
+        loaded = metrics(server.url)[("tokenmill:kv_tier_hits_total", (("tier", "disk"),))]
     finally:
         stop_server(server)
+    assert loaded == disk_runs["cacheable"] // BS
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == disk_runs["cacheable"]
     assert r.json()["choices"][0]["text"] == _decode(disk_runs["from_radix"][0])
