@@ -454,9 +454,9 @@ def _stats(raw: dict) -> EngineStats:
         from tokenmill.speculative.decoder import SpecStats
 
         stats = replace(stats, spec=wire.convert(stats.spec, SpecStats))
-    if any(isinstance(t, dict) for t in stats.kv_tiers.values()):  # the same, per KV tier
+    if stats.kv_tiers:  # the same, one plain map per KV tier
         from tokenmill.kv_transfer.base import TierStats
 
-        stats = replace(stats, kv_tiers={name: wire.convert(t, TierStats) if isinstance(t, dict)
-                                         else t for name, t in stats.kv_tiers.items()})
+        stats = replace(stats, kv_tiers={name: wire.convert(t, TierStats)
+                                         for name, t in stats.kv_tiers.items()})
     return stats

@@ -223,11 +223,24 @@ def _routable(module: nn.Module) -> Iterator[Linear]:
 _TRIAL_TIMINGS: dict[tuple, dict[int, tuple[float, float]]] = {}
 
 
+def _first_layer(module: nn.Module) -> nn.Module | None:
+    """The first decoder layer: the trials time its linears."""
+    return getattr(getattr(module, "model", None), "layers", [None])[0]
+
+
+def _log_trial(what: str, timings: dict[int, tuple[float, float]], ways: tuple[str, str],
+               choice: str) -> None:
+    """One line: a trial's timings per row count, each way's in milliseconds, and its choice."""
+    ms = ["/".join(f"{t[i] * 1e3:.2f}" for t in timings.values()) for i in (0, 1)]
+    log.info("linear kernels, one layer's %s at %s rows: %s %s ms, %s %s ms -> %s", what,
+             "/".join(map(str, timings)), ways[0], ms[0], ways[1], ms[1], choice)
+
+
 def choose_onednn_rows(module: nn.Module, ops) -> int | None:
     """The rows from which the first decoder layer's linears ran faster through oneDNN on
     their dense weights than on the packed ones (``routed.time_packed_and_dense``, once per
     shape in a process), or None."""
-    first = getattr(getattr(module, "model", None), "layers", [None])[0]
+    first = _first_layer(module)
     layers = list(_routable(first)) if first is not None else []
     if not layers:
         return None
@@ -238,10 +251,8 @@ def choose_onednn_rows(module: nn.Module, ops) -> int | None:
         timings = _TRIAL_TIMINGS[key] = routed.time_packed_and_dense(
             [routed.OneDnnRouted(m.kernel, m.weight, m.bias, 0, ops) for m in layers])
     rows = routed.dense_rows_from(timings)
-    log.info("linear kernels, one layer's linears at %s: packed %s ms, oneDNN %s ms -> %s",
-             "/".join(map(str, timings)), "/".join(f"{t[0] * 1e3:.2f}" for t in timings.values()),
-             "/".join(f"{t[1] * 1e3:.2f}" for t in timings.values()),
-             f"oneDNN from {rows} rows" if rows else "packed throughout")
+    _log_trial("linears", timings, ("packed", "oneDNN"),
+               f"oneDNN from {rows} rows" if rows else "packed throughout")
     return rows
 
 
@@ -270,7 +281,7 @@ def choose_widen_rows(module: nn.Module) -> int | None:
     """The rows from which the first decoder layer's packed bf16 linears ran faster as float32
     FMAs over their widened weights than by vdpbf16ps (``routed.time_two_ways``, once per shape
     in a process), or None: slower, or not the same bits on this CPU."""
-    first = getattr(getattr(module, "model", None), "layers", [None])[0]
+    first = _first_layer(module)
     kernels = [m.kernel for m in _widenable(first)] if first is not None else []
     if not kernels:
         return None
@@ -291,11 +302,8 @@ def choose_widen_rows(module: nn.Module) -> int | None:
         _TRIAL_TIMINGS[key] = timings
     rows = routed.dense_rows_from(timings, routed.WIDEN_MARGIN)
     if timings:
-        log.info("linear kernels, one layer's bf16 linears at %s rows: vdpbf16ps %s ms, float32 "
-                 "FMAs %s ms -> %s", "/".join(map(str, timings)),
-                 "/".join(f"{t[0] * 1e3:.2f}" for t in timings.values()),
-                 "/".join(f"{t[1] * 1e3:.2f}" for t in timings.values()),
-                 f"float32 FMAs from {rows} rows" if rows else "vdpbf16ps throughout")
+        _log_trial("bf16 linears", timings, ("vdpbf16ps", "float32 FMAs"),
+                   f"float32 FMAs from {rows} rows" if rows else "vdpbf16ps throughout")
     return rows
 
 
