@@ -17,7 +17,8 @@ from tokenmill.model.layers import Linear
 from tokenmill.model.linear import plan_linears
 from tokenmill.model.linear.activation import silu_and_mul
 from tokenmill.model.linear.dense import Bf16Rows, Dense, OneDnn
-from tokenmill.model.linear.packed import Bf16Packed, Bf16PackedSilu, F32Packed
+from tokenmill.model.linear.packed import (Bf16Blocks, Bf16BlocksSilu, Bf16Packed,
+                                           Bf16PackedSilu, F32Packed)
 from tokenmill.model.linear.plan import ROLES
 from tokenmill.model.linear.quantized import Fp8, QuantBytes
 from tokenmill.model.linear.routed import OneDnnRouted
@@ -53,7 +54,8 @@ def kernels(plan) -> dict[str, str]:
     ("cuda", "bfloat16", "none", dict.fromkeys(ROLES, "dense")),
     ("cuda", "bfloat16", "fp8", {**dict.fromkeys(ROLES, "fp8"), "lm_head": "dense"}),
     ("avx2", "float32", "int4", dict.fromkeys(ROLES, "f32-packed-a8")),
-    ("avx512-bf16", "bfloat16", "int8", dict.fromkeys(ROLES, "quant-a8")),
+    ("avx512-bf16", "bfloat16", "int8",
+     {**dict.fromkeys(ROLES, "bf16-blocks"), "gate_up": "bf16-blocks-silu"}),
     ("avx2", "bfloat16", "int4", dict.fromkeys(ROLES, "quant")),
     ("bare", "float32", "int8", dict.fromkeys(ROLES, "quant-torch")),
 ])
@@ -72,7 +74,9 @@ def test_what_each_plan_keeps_in_bits_and_quantizes():
     assert not plan_for("avx512-bf16", "bfloat16").keep_gguf_blocks
     auto = plan_for("avx512-bf16", "bfloat16", "auto")
     assert auto.keep_gguf_blocks and auto.int8_activations
-    assert auto.kernels_for("down", quantized=True) == ("quant-a8", "quant")
+    # the blocks on the packed bf16 GEMM; a size it does not take, int8 rows of x
+    assert auto.kernels_for("down", quantized=True) == ("bf16-blocks", "quant-a8", "quant")
+    assert auto.kernels_for("gate_up", quantized=True)[0] == "bf16-blocks-silu"
     int4 = plan_for("avx2", "float32", "int4")
     assert int4.format_of("down") == "int4" and int4.format_of("lm_head") == "int8"
     assert int4.kernels_for("o", True) == ("f32-packed-a8", "f32-packed-bits", "quant")
@@ -316,6 +320,49 @@ def test_float32_fmas_read_denormal_inputs_as_zero_as_vdpbf16ps_does():
     for widen_from in (0, 1):
         assert torch.equal(ops.linear_bf16_packed(x, packed, None, widen_from=widen_from),
                            torch.zeros(2, 32, dtype=torch.bfloat16))
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("quantize", [Q.quantize_int4, Q.quantize_int8])
+@pytest.mark.parametrize("n,k,bias", [(48, 96, True), (2 * 96, 64, False), (64, 576, False)])
+def test_4_and_8_bit_blocks_give_the_bf16_weights_bits(quantize, n, k, bias):
+    """Bf16Blocks (csrc/bf16_gemm.h's QuantPanel): a 4/8-bit weight dequantized per task into
+    bf16 gives the products of that weight rounded to bf16 and packed, bit for bit: by
+    vdpbf16ps and by the float32 FMAs, through row tiles of 1-8 and 64-row chunks, an odd
+    trailing column block (48 features), a bias and the SiLU·mul epilogue."""
+    layer = linear(n, k, torch.float32, bias, seed=n + k)
+    qw = quantize(layer.weight.detach())
+    bias_bf16 = layer.bias.detach().bfloat16() if bias else None
+    blocks = Bf16Blocks.build_quantized(qw, bias_bf16, ops)
+    dense = Bf16Packed.build(Q.dequantize(qw).bfloat16(), bias_bf16, ops)
+    assert blocks.packed.dtype == torch.uint8 and blocks.weight_format == qw.kind
+    assert blocks.in_features == k and blocks.step_weight().gemm == "bf16"
+    gated = None if bias else (Bf16BlocksSilu.build_quantized(qw, None, ops),
+                               Bf16PackedSilu.build(Q.dequantize(qw).bfloat16(), None, ops))
+    for rows in (1, 8, 9, 64, 65, 130):
+        x = torch.randn(rows, k)
+        x[::3] *= 1000
+        x = x.bfloat16()
+        for widen_from in (0, 1):
+            blocks.widen_from = dense.widen_from = widen_from
+            assert torch.equal(bits(blocks(x)), bits(dense(x))), (rows, widen_from)
+            if gated is not None:
+                gated[0].widen_from = gated[1].widen_from = widen_from
+                assert torch.equal(bits(gated[0](x)), bits(gated[1](x))), (rows, widen_from)
+    if gated is not None:
+        assert gated[0].applies_silu and gated[0].family == "bf16-blocks-silu"
+
+
+@needs_bf16_gemm
+def test_blocks_the_bf16_gemm_cannot_take_go_to_the_next_kernel():
+    per_feature = Q.quantize_int8(torch.randn(32, 48), group_size=None)  # one scale per row
+    assert Bf16Blocks.build_quantized(per_feature, None, ops) is None
+    ragged = Q.quantize_int4(torch.randn(40, 64))  # 40 features: not in blocks of 16
+    assert Bf16Blocks.build_quantized(ragged, None, ops) is None
+    layer = linear(40, 64)
+    layer.set_quantized(ragged)
+    assert build_kernel(layer, "o", plan_for("avx512-bf16", "bfloat16", "int4"), ops,
+                        ops).family == "quant-a8"
 
 
 @needs_bf16_gemm

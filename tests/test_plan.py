@@ -115,4 +115,8 @@ def test_tokenmill_plan_prints_a_described_machines_plan(capsys) -> None:
     plan = json.loads(capsys.readouterr().out)
     assert plan["machine"]["cpu"] == "described: amx"
     assert plan["dtype"]["value"] == "bfloat16" and plan["linear"]["quantization"] == "int8"
-    assert plan["cpu_step"].startswith("eager: not every linear layer")
+    # int8 weights multiply on the packed bf16 GEMM, dequantized per task: the fused step
+    # takes them
+    assert plan["linear"]["kernels"]["qkv"] == "bf16-blocks"
+    assert plan["linear"]["kernels"]["gate_up"] == "bf16-blocks-silu"
+    assert plan["cpu_step"] == "fused"

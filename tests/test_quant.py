@@ -509,6 +509,43 @@ def test_default_model_in_its_blocks_gives_the_float32_logits(default_gguf_path,
         assert all(torch.equal(g, want) for g in got), fused
 
 
+needs_bf16_gemm = pytest.mark.skipif(not getattr(OPS, "has_bf16_gemm", False),
+                                     reason="no bf16 GEMM kernels (AVX512-BF16)")
+
+
+@pytest.mark.slow  # the real model
+@needs_bf16_gemm
+def test_default_model_in_its_blocks_gives_the_bf16_logits(default_gguf_path):
+    """--quantization auto on a bf16 model (the default dtype here): the file's Q4_1 / Q8_0
+    blocks kept and multiplied on the packed bf16 GEMM, dequantized to bf16 per task, give the
+    bf16 model's logits bit for bit, eager and fused, by vdpbf16ps and by float32 FMAs, on
+    prompts of 1 to 40 tokens and a batch of decode rows."""
+    auto = load_model(str(default_gguf_path), "cpu", "bfloat16", "auto", "auto")
+    dense = load_model(str(default_gguf_path), "cpu", "bfloat16", "auto", "none")
+    assert auto.quantization == "q4_1 x120, q8_0 x1"  # x stays bf16: no int8 activations
+    linears = [x for x in auto.model.modules() if isinstance(x, Linear)]
+    assert {x.kernel.family for x in linears} == {"bf16-blocks", "bf16-blocks-silu"}
+    assert all(x.kernel.step_weight().packed.dtype == torch.uint8 for x in linears)
+    runners = [ModelRunner(m, num_blocks=64, block_size=16) for m in (dense, auto)]
+    gen = torch.Generator().manual_seed(0)
+    for fused, widen_from in ((False, 0), (True, 0), (True, 1)):
+        for m in (dense, auto):
+            for x in m.model.modules():
+                if isinstance(x, Linear):
+                    x.kernel.widen_from = widen_from
+        if fused:
+            assert [r.fuse_cpu_step() for r in runners] == ["fused"] * 2
+        for length in (1, 3, 9, 40):
+            ids = torch.randint(100, 40000, (length,), generator=gen).tolist()
+            chunk = Chunk(ids, 0, list(range(-(-length // 16))))
+            want, got = (r.forward([chunk], all_logits=True) for r in runners)
+            assert torch.equal(got, want), (fused, widen_from, length)
+        chunks = [Chunk([int(t)], p, [4 + i]) for i, (t, p) in
+                  enumerate(zip(torch.randint(100, 40000, (8,), generator=gen), range(8)))]
+        want, got = (r.forward(chunks) for r in runners)
+        assert torch.equal(got, want), (fused, widen_from)
+
+
 @pytest.mark.slow  # the real model
 @needs_a8_gemm
 def test_default_model_with_int8_activations_runs_fused_as_eager(default_gguf_path):

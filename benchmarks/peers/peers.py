@@ -286,7 +286,8 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     # the batch-invariant mode's cost: the default (on where it costs nothing measurable, off
     # with oneDNN's AMX route) against it off
     TokenmillPeer("tokenmill-no-bi", extra=("--no-batch-invariant",)),
-    # the engine core in a process of its own (serve's default on one GPU, off on a CPU)
+    # the engine core in a process of its own, asked for (serve's default since it runs so on
+    # a CPU too; --no-engine-process keeps it in the server's)
     TokenmillPeer("tokenmill-ep", extra=("--engine-process",)),
     VLLMPeer(),
     VLLMPeer("vllm-fp32", "float32"), LlamaCppPeer(), HFPeer())}

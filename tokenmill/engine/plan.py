@@ -250,13 +250,14 @@ def make_plan(config: EngineConfig, machine: Machine | None = None) -> Execution
 def _invariance_default_off(config: EngineConfig, linear: LinearPlan) -> str | None:
     """Why the batch-invariant mode stays off here unless asked for; None: on by default.
     On by default where it was measured to cost nothing (docs/batch_invariance.md: within
-    1.5% without AMX, bf16 and float32); off where it costs more than 10% or was not measured."""
+    1.5% without AMX, bf16 and float32; 4/8-bit weights on the bf16 GEMM run its kernels, bit
+    for bit); off where it costs more than 10% or was not measured."""
     if linear.onednn_trial:
         return ("the default here: with oneDNN's AMX route planned, the mode's AMX tiles "
                 "take prompt chunks 20% slower (--batch-invariant turns it on)")
-    if config.quantization != "none":
-        return ("the default for --quantization (4/8-bit weights): its cost there is not measured "
-                "(--batch-invariant turns it on)")
+    if config.quantization != "none" and linear.quant_kernels[:1] != ("bf16-blocks",):
+        return ("the default for --quantization (4/8-bit weights) off the bf16 GEMM: its cost "
+                "there is not measured (--batch-invariant turns it on)")
     return None
 
 
@@ -442,7 +443,8 @@ def _cpu_step(config: EngineConfig, machine: Machine, model_cfg: ModelConfig, ba
 
 
 # the linear kernels the fused step multiplies on, per compute dtype
-_FUSABLE = {"bfloat16": ("bf16-packed", "bf16-packed-silu", "bf16-amx", "bf16-amx-silu"),
+_FUSABLE = {"bfloat16": ("bf16-packed", "bf16-packed-silu", "bf16-amx", "bf16-amx-silu",
+                         "bf16-blocks", "bf16-blocks-silu"),
             "float32": ("f32-packed", "f32-packed-bits", "f32-packed-a8")}
 
 

@@ -27,10 +27,19 @@
 // for a row depend on that row alone, in one order along K whatever the tile's other rows, so
 // at every row count it is a batch-invariant GEMM (their sums are not vdpbf16ps's: AMX adds a
 // tile's products in an order of its own).
+//
+// A 4- or 8-bit weight in groups of 32 (a GGUF's Q4_0 / Q4_1 / Q8_0, --quantization int4 /
+// int8), packed by pack_f32_quant_weight (f32_gemm.h), multiplies here too: each task
+// dequantizes its column blocks into a bf16 panel in the layout above (QuantPanel), each weight
+// float32 scale * q (+ offset) rounded to bf16 -- what a bf16 model read from those blocks
+// holds -- and the row kernels then run over the panel. So the sums are the bf16 weight's, bit
+// for bit, at every row count and on every row kernel, while a step reads 0.75 or 1.125 bytes
+// per weight from memory instead of 2.
 
 #pragma once
 
 #include "common.h"
+#include "f32_gemm.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -130,6 +139,7 @@ struct DotRows {  // vdpbf16ps, above
            int64_t block_stride, float* out, bool prefetch) {
     gemm_rows<NB>(x, xs, rows, k_len, w, block_stride, out, 32, prefetch);
   }
+  void forget() {}  // the weights at the address of the last call's may differ now
 };
 
 // The same sums as DotRows, bit for bit, by float32 FMAs: vdpbf16ps adds, per lane, the odd
@@ -159,6 +169,8 @@ class WidenRows {
     }
     _mm_setcsr(csr);
   }
+  // the weights at the address of the last call's may differ now (a QuantPanel's next task)
+  void forget() { panel_of_ = nullptr; }
 
  private:
   template <int NB>
@@ -260,6 +272,7 @@ class AmxRows {
   ~AmxRows() {
     if (config_ != 0) _tile_release();
   }
+  void forget() {}
 
   template <int NB>
   void run(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len, const uint16_t* w,
@@ -347,19 +360,60 @@ constexpr bool kHasAmx = false;
 bool amx_usable() { return false; }
 #endif
 
-// x W^T over a packed W, task by task: a pair of column blocks (a trailing odd block alone),
-// every row of x through a float32 scratch in chunks of kRowChunk, by the row kernel Rows;
-// epilogue(row, acc, b0, nb) then writes that row's outputs from acc, the float32 sums of
-// blocks b0 .. b0 + nb - 1. out_at(row, b0) is where they go: a chunk's lines are fetched for
-// writing before its products (1-3% at 64-1024 rows: each row's outputs of a task are one
-// line of their own).
-template <typename Rows, typename Epilogue, typename OutAt>
-void packed_gemm(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue,
-                 const OutAt& out_at) {
-  const int64_t rows = x.size(0), k_len = x.size(1), blocks = packed.size(0);
-  const int64_t block_stride = packed.size(1) * kPackCols * 2;  // bf16 elements per block
+// Where a task's column blocks come from (packed_gemm's Source): PackedPanel, the packed bf16
+// weight itself; QuantPanel, a 4/8-bit weight dequantized per task. blocks(b0, nb) is the
+// address of blocks b0 .. b0 + nb - 1 in pack_bf16_weight's layout, `stride` bf16 elements
+// apart; kFresh: the address is a per-thread panel that the next task overwrites.
+struct PackedPanel {
+  static constexpr bool kFresh = false;
+  const uint16_t* w;
+  int64_t stride;
+  const uint16_t* blocks(int64_t b0, int /*nb*/) const { return w + b0 * stride; }
+};
+
+template <int64_t BITS>
+struct QuantPanel {
+  static constexpr bool kFresh = true;
+  const uint8_t* q;     // pack_f32_quant_weight's records
+  int64_t block_bytes;  // bytes per column block (`groups` records)
+  int64_t groups;
+  int64_t stride;  // groups * 16 pairs * 32 bf16
+
+  const uint16_t* blocks(int64_t b0, int nb) const {
+    thread_local std::vector<uint16_t> panel;
+    if (panel.size() < static_cast<size_t>(2 * stride)) panel.resize(2 * stride);
+    for (int b = 0; b < nb; ++b) dequantize(q + (b0 + b) * block_bytes, panel.data() + b * stride);
+    return panel.data();
+  }
+
+  // one column block: per pair of k, each feature's even weight in the low half of its lane
+  // and the odd one in the high half, rounded to bf16 to nearest (vcvtneps2bf16)
+  void dequantize(const uint8_t* rec, uint16_t* dst) const {
+    for (int64_t g = 0; g < groups; ++g, rec += f32_quant_record(BITS)) {
+      Vec s, z;
+      f32q_scales<BITS>(rec, s, z);
+      for (int64_t i = 0; i < kF32QGroup; i += 2, dst += kPackCols * 2) {
+        const __m512i even = _mm512_cvtepu16_epi32(
+            (__m256i)_mm512_cvtneps_pbh(f32q_weights<BITS>(rec, s, z, i).v));
+        const __m512i odd = _mm512_cvtepu16_epi32(
+            (__m256i)_mm512_cvtneps_pbh(f32q_weights<BITS>(rec, s, z, i + 1).v));
+        _mm512_storeu_si512(dst, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+      }
+    }
+  }
+};
+
+// x W^T over a packed W, task by task: a pair of column blocks (a trailing odd block alone)
+// from `src`, every row of x through a float32 scratch in chunks of kRowChunk, by the row
+// kernel Rows; epilogue(row, acc, b0, nb) then writes that row's outputs from acc, the float32
+// sums of blocks b0 .. b0 + nb - 1. out_at(row, b0) is where they go: a chunk's lines are
+// fetched for writing before its products (1-3% at 64-1024 rows: each row's outputs of a task
+// are one line of their own).
+template <typename Rows, typename Source, typename Epilogue, typename OutAt>
+void packed_gemm(const at::Tensor& x, const Source& src, int64_t blocks,
+                 const Epilogue& epilogue, const OutAt& out_at) {
+  const int64_t rows = x.size(0), k_len = x.size(1);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t xs = x.stride(0);
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     constexpr int64_t kRowChunk = 64;  // rows per float32 scratch pass
@@ -368,44 +422,78 @@ void packed_gemm(const at::Tensor& x, const at::Tensor& packed, const Epilogue& 
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;
       const int nb = b0 + 1 < blocks ? 2 : 1;
-      const uint16_t* w = wp + b0 * block_stride;
+      const uint16_t* w = src.blocks(b0, nb);
+      if (Source::kFresh) kernel.forget();
       for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
         const int64_t rr = std::min(kRowChunk, rows - r0);
         // the chunk's output lines, fetched for writing while the products are computed
         for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
+        // a packed weight's next blocks come from memory: prefetched (a panel is in cache)
+        const bool prefetch = r0 == 0 && !Source::kFresh;
         if (nb == 2)
-          kernel.template run<2>(xp + r0 * xs, xs, rr, k_len, w, block_stride, scratch.data(),
-                                 r0 == 0);
+          kernel.template run<2>(xp + r0 * xs, xs, rr, k_len, w, src.stride, scratch.data(),
+                                 prefetch);
         else
-          kernel.template run<1>(xp + r0 * xs, xs, rr, k_len, w, block_stride, scratch.data(),
-                                 r0 == 0);
+          kernel.template run<1>(xp + r0 * xs, xs, rr, k_len, w, src.stride, scratch.data(),
+                                 prefetch);
         for (int64_t r = 0; r < rr; ++r) epilogue(r0 + r, scratch.data() + r * 32, b0, nb);
       }
     }
   });
 }
 
+// 0: a bf16 weight packed by pack_bf16_weight; 4 or 8: a 4/8-bit weight packed by
+// pack_f32_quant_weight; -1: neither
+int64_t packed_bits(const at::Tensor& packed) {
+  if (packed.scalar_type() == at::kBFloat16) return 0;
+  if (packed.scalar_type() != at::kByte || packed.dim() != 3) return -1;
+  return packed.size(2) == f32_quant_record(4) ? 4 : packed.size(2) == f32_quant_record(8) ? 8 : -1;
+}
+
 void check_packed(const at::Tensor& x, const at::Tensor& packed, bool amx, const char* what) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
-                  packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
-                  packed.is_contiguous() && packed.size(2) == kPackCols &&
-                  packed.size(1) == (x.size(1) + 1) / 2,
-              what, ": bf16 x (M, K), weight packed by pack_bf16_weight");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, what,
+              ": bf16 x (M, K) with unit inner stride");
+  const int64_t bits = packed_bits(packed);
+  TORCH_CHECK(packed.is_contiguous() &&
+                  (bits == 0 ? packed.dim() == 4 && packed.size(2) == kPackCols &&
+                                   packed.size(1) == (x.size(1) + 1) / 2
+                             : bits > 0 && packed.size(1) * kF32QGroup == x.size(1)),
+              what, ": a weight packed by pack_bf16_weight (or pack_f32_quant_weight) for x's K");
   TORCH_CHECK(!amx || (amx_usable() && x.size(1) % 32 == 0), what,
               ": amx needs AMX tiles this process may use and K a multiple of 32");
 }
 
-// packed_gemm on AMX tiles, or by vdpbf16ps, or from widen_from rows (> 0) by WidenRows' float32
-// FMAs (the same bits as vdpbf16ps)
+// packed_gemm over `src` on AMX tiles, or by vdpbf16ps, or from widen_from rows (> 0) by
+// WidenRows' float32 FMAs (the same bits as vdpbf16ps)
+template <typename Source, typename Epilogue, typename OutAt>
+void gemm_rows_on(bool amx, int64_t widen_from, const at::Tensor& x, const Source& src,
+                  int64_t blocks, const Epilogue& epilogue, const OutAt& out_at) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx) return packed_gemm<AmxRows>(x, src, blocks, epilogue, out_at);
+#endif
+  if (widen_from > 0 && x.size(0) >= widen_from)
+    return packed_gemm<WidenRows>(x, src, blocks, epilogue, out_at);
+  packed_gemm<DotRows>(x, src, blocks, epilogue, out_at);
+}
+
+// gemm_rows_on over a packed bf16 weight, or a 4/8-bit one dequantized task by task
 template <typename Epilogue, typename OutAt>
 void packed_gemm_on(bool amx, int64_t widen_from, const at::Tensor& x, const at::Tensor& packed,
                     const Epilogue& epilogue, const OutAt& out_at) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (amx) return packed_gemm<AmxRows>(x, packed, epilogue, out_at);
-#endif
-  if (widen_from > 0 && x.size(0) >= widen_from)
-    return packed_gemm<WidenRows>(x, packed, epilogue, out_at);
-  packed_gemm<DotRows>(x, packed, epilogue, out_at);
+  const int64_t bits = packed_bits(packed), blocks = packed.size(0);
+  if (bits == 0) {
+    const PackedPanel src{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                          packed.size(1) * kPackCols * 2};
+    return gemm_rows_on(amx, widen_from, x, src, blocks, epilogue, out_at);
+  }
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  const int64_t groups = packed.size(1), block_bytes = groups * packed.size(2);
+  const int64_t stride = groups * (kF32QGroup / 2) * kPackCols * 2;
+  if (bits == 4)
+    return gemm_rows_on(amx, widen_from, x, QuantPanel<4>{q, block_bytes, groups, stride},
+                        blocks, epilogue, out_at);
+  gemm_rows_on(amx, widen_from, x, QuantPanel<8>{q, block_bytes, groups, stride}, blocks,
+               epilogue, out_at);
 }
 
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,

@@ -1,7 +1,8 @@
 """Kernels on a weight packed once for the CPU kernels' GEMMs: float32 (``csrc/f32_gemm.h``,
 also 4/8-bit weights kept in their bits and, in ``csrc/a8_gemm.h``'s layout, multiplied with
 int8 rows of x) and bf16 (``csrc/bf16_gemm.h``, with SiLU·mul in the epilogue for gate/up; on
-vdpbf16ps, from some rows by float32 FMAs with the same bits, or the same packing on AMX tiles).
+vdpbf16ps, from some rows by float32 FMAs with the same bits, or the same packing on AMX tiles;
+and 4/8-bit weights in float32's packing, dequantized to bf16 per task: ``Bf16Blocks``).
 Each ``build`` returns None for a weight its kernel cannot take (a size, a format); the loader
 then tries the plan's next kernel."""
 
@@ -95,6 +96,11 @@ class Bf16Packed(LinearKernel):
         # where it measured faster: setup.py's ``choose_widen_rows``); 0: never
         self.widen_from = 0
 
+    @property
+    def in_features(self) -> int:
+        """K as the packing holds it (an odd K padded to even)."""
+        return self.packed.shape[1] * 2
+
     def gemm(self, kernel: Callable) -> Callable:
         """``kernel`` (a packed bf16 GEMM binding) as this layer runs it: on AMX tiles, or
         by vdpbf16ps and from ``widen_from`` rows by float32 FMAs."""
@@ -107,6 +113,14 @@ class Bf16Packed(LinearKernel):
                 or weight.shape[0] % 16):
             return None
         return cls(ops.pack_bf16_weight(weight.detach()), bias, ops)
+
+    def interleaved(self) -> torch.Tensor:
+        """The packed weight of a gate/up layer (gate rows, then as many up rows) with its
+        column blocks taken in turn (gate 0, up 0, gate 1, ...), as ``Bf16PackedSilu``
+        multiplies it."""
+        p = self.packed  # (blocks, ...): gate's blocks, then up's
+        return p.view(2, p.shape[0] // 2, *p.shape[1:]).transpose(0, 1).reshape(p.shape) \
+            .contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return on_rows(self.gemm(self.ops.linear_bf16_packed), x.to(torch.bfloat16),
@@ -144,10 +158,7 @@ class Bf16PackedSilu(Bf16Packed):
         plain = Bf16Packed.build(weight, bias, ops)
         if plain is None or plain.packed.shape[0] % 2:
             return None
-        p = plain.packed  # (N / 16, K / 2, 16, 2) -> gate and up blocks taken in turn
-        interleaved = p.view(2, p.shape[0] // 2, *p.shape[1:]).transpose(0, 1) \
-            .reshape(p.shape).contiguous()
-        return cls(interleaved, None, ops)
+        return cls(plain.interleaved(), None, ops)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return on_rows(self.gemm(self.ops.linear_bf16_packed_silu), x.to(torch.bfloat16),
@@ -162,6 +173,66 @@ class Bf16PackedSilu(Bf16Packed):
     def activate(self, y: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of ``product``'s output, rounded as the epilogue rounds: (rows, I)."""
         return self.ops.silu_and_mul_interleaved(y, BF16_PACK_COLS)
+
+
+def _blocks_ready(qw: QuantWeight, ops) -> bool:
+    """Whether ``pack_f32_quant_weight`` takes ``qw`` in the bf16 GEMM's column blocks: 4 or 8
+    bits in groups of 32 with float16 scales (4 bits with offsets), N in blocks of 16."""
+    return (ops is not None and getattr(ops, "has_bf16_gemm", False)
+            and getattr(ops, "f32_pack_cols", 0) == BF16_PACK_COLS
+            and qw.qweight.device.type == "cpu" and qw.bits in (4, 8) and qw.group_size == 32
+            and qw.qweight.dtype == (torch.uint8 if qw.bits == 4 else torch.int8)
+            and qw.scales.dtype == torch.float16 and qw.shape[0] % BF16_PACK_COLS == 0
+            and (qw.bits == 8 or qw.zeros is not None))
+
+
+class Bf16Blocks(Bf16Packed):
+    """A 4/8-bit weight in groups of 32 (a GGUF's Q4_0 / Q4_1 / Q8_0 blocks under
+    ``--quantization auto``, or int4 / int8) multiplied by the packed bf16 GEMM: kept in
+    float32's packing of those bits (``pack_f32_quant_weight``), each task's column blocks
+    dequantized into a bf16 panel (csrc/bf16_gemm.h's QuantPanel), every weight rounded to bf16
+    as a bf16 model read from the same blocks holds it. The products are that bf16 model's, bit
+    for bit (by vdpbf16ps, or float32 FMAs from ``widen_from`` rows), so the quantized weights
+    change no output of the default dtype; a step reads 0.75 (4 bits) or 1.125 (8 bits) bytes
+    per weight instead of 2, and x stays bf16 (no int8 activations)."""
+
+    family = "bf16-blocks"
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, ops, kind: str):
+        super().__init__(packed, bias, ops)
+        self.kind = kind
+
+    @classmethod
+    def build_quantized(cls, qw: QuantWeight, bias: torch.Tensor | None,
+                        ops) -> Bf16Blocks | None:
+        if not _blocks_ready(qw, ops):
+            return None
+        packed = ops.pack_f32_quant_weight(qw.qweight, qw.scales, qw.zeros, qw.bits,
+                                           qw.group_size)
+        return cls(packed, bias, ops, qw.kind)
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * 32  # groups of 32
+
+    @property
+    def weight_format(self) -> str:
+        return self.kind
+
+
+class Bf16BlocksSilu(Bf16Blocks, Bf16PackedSilu):
+    """``Bf16Blocks`` for a gate/up layer, its column blocks interleaved as ``Bf16PackedSilu``
+    takes them (SiLU·mul in the epilogue)."""
+
+    family = "bf16-blocks-silu"
+
+    @classmethod
+    def build_quantized(cls, qw: QuantWeight, bias: torch.Tensor | None,
+                        ops) -> Bf16BlocksSilu | None:
+        plain = Bf16Blocks.build_quantized(qw, bias, ops)
+        if bias is not None or plain is None or plain.packed.shape[0] % 2:
+            return None
+        return cls(plain.interleaved(), None, ops, qw.kind)
 
 
 def _amx_ready(weight: torch.Tensor, ops) -> bool:

@@ -14,8 +14,12 @@ from tokenmill.platform import KernelCaps, Machine
 # float32 on the CPU kernels keeps a GGUF's quantized blocks in their bits (F32Packed); off,
 # they are dequantized at load (the same sums, 4-5x the memory)
 FLOAT32_IN_BITS = True
+# bf16 with 4/8-bit weights in groups of 32 (GGUF's Q8_0 / Q4_0 / Q4_1 under auto, int8, int4)
+# on the packed bf16 GEMM, dequantized to bf16 per task (Bf16Blocks: the bf16 model's products,
+# bit for bit, from a quarter to a half of its bytes); off, they take the kernels below
+BF16_BLOCKS = True
 # Quantized weights in groups of 32 (int8, int4, and GGUF's Q8_0 / Q4_0 / Q4_1 under auto)
-# multiply int8 activations (dynamic per-token scales) where the CPU has int8 dot products
+# otherwise multiply int8 activations (dynamic per-token scales) where the CPU has int8 dot products
 # (AVX512-VNNI) or float32's packed int8 GEMM (AVX2), as llama.cpp multiplies its blocks with
 # activations quantized to 8 bits
 INT8_ACTIVATIONS = True
@@ -44,9 +48,10 @@ DEQUANTIZE = "dequantize"
 # fp8) choose their blocking by the number of rows.
 ORDER_FIXED = frozenset({"bf16-packed", "bf16-packed-silu", "bf16-amx", "bf16-amx-silu",
                          "bf16-rows", "f32-packed", "f32-packed-bits", "f32-packed-a8", "quant",
-                         "quant-a8"})
+                         "quant-a8", "bf16-blocks", "bf16-blocks-silu"})
 # the SiLU·mul epilogue's variant of each packed bf16 family (gate/up)
-_SILU = {"bf16-packed": "bf16-packed-silu", "bf16-amx": "bf16-amx-silu"}
+_SILU = {"bf16-packed": "bf16-packed-silu", "bf16-amx": "bf16-amx-silu",
+         "bf16-blocks": "bf16-blocks-silu"}
 
 
 @dataclass(frozen=True)
@@ -211,14 +216,17 @@ def _float_kernels(machine: Machine, dtype: str, layer_caps: KernelCaps) -> tupl
 
 def _quant_kernels(machine: Machine, dtype: str, quantization: str, layer_caps: KernelCaps,
                    a8: bool, in_bits: bool) -> tuple[str, ...]:
-    """For a 4/8-bit weight: float32's packed GEMM (in its bits, or with int8 activations),
-    else the kernels multiplying from the bytes; unquantized ("none") weights kept in their
+    """For a 4/8-bit weight: in bf16, the packed bf16 GEMM over its blocks (``BF16_BLOCKS``);
+    float32's packed GEMM (in its bits, or with int8 activations); else the kernels multiplying
+    from the bytes; unquantized ("none") weights kept in their
     bits for the GEMM that it cannot take are dequantized at load instead."""
     if quantization == "fp8":
         return ("fp8",)
     if in_bits:
         return ("f32-packed-bits", DEQUANTIZE)
     packed = ()
+    if BF16_BLOCKS and dtype == "bfloat16" and layer_caps.bf16_gemm and layer_caps.f32_gemm:
+        packed = ("bf16-blocks",)
     if dtype == "float32" and layer_caps.f32_gemm:
         packed = ("f32-packed-a8",) * (a8 and layer_caps.a8_gemm) + ("f32-packed-bits",)
     if not machine.kernels_built:

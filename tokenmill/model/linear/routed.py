@@ -117,7 +117,7 @@ def widened_exact(kernels: list, rows: tuple[int, ...] = (1, 9, 70)) -> bool:
     with torch.inference_mode():
         for n in rows:
             for k in kernels:
-                x = torch.randn(n, k.packed.shape[1] * 2).to(torch.bfloat16)
+                x = torch.randn(n, k.in_features).to(torch.bfloat16)
                 dot, wide = (k.ops.linear_bf16_packed(x, k.packed, k.bias, widen_from=start)
                              for start in (0, 1))
                 if not torch.equal(dot.view(torch.int16), wide.view(torch.int16)):

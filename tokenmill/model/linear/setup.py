@@ -18,8 +18,8 @@ from tokenmill.model.layers import Embedding, Linear
 from tokenmill.model.linear import routed
 from tokenmill.model.linear.base import LinearKernel
 from tokenmill.model.linear.dense import SMALL_M_ROWS, Bf16Rows, Dense, OneDnn
-from tokenmill.model.linear.packed import (Bf16Amx, Bf16AmxSilu, Bf16Packed, Bf16PackedSilu,
-                                           F32Packed)
+from tokenmill.model.linear.packed import (Bf16Amx, Bf16AmxSilu, Bf16Blocks, Bf16BlocksSilu,
+                                           Bf16Packed, Bf16PackedSilu, F32Packed)
 from tokenmill.model.linear.plan import DEQUANTIZE, ORDER_FIXED, ROLE_OF, LinearPlan
 from tokenmill.model.linear.quantized import DENSE_ROWS, Fp8, QuantBytes
 from tokenmill.model.quant import INT4_GROUP, QuantWeight, concat_rows, dequantize
@@ -127,6 +127,9 @@ _FLOAT: dict[str, Callable[[_Source], LinearKernel | None]] = {
 }
 # family -> kernel for a quantized weight
 _QUANT: dict[str, Callable[[_Source], LinearKernel | None]] = {
+    "bf16-blocks": lambda s: Bf16Blocks.build_quantized(s.quant, s.bias, s.ops),
+    "bf16-blocks-silu": lambda s: Bf16BlocksSilu.build_quantized(s.quant, s.bias, s.ops)
+    or Bf16Blocks.build_quantized(s.quant, s.bias, s.ops),
     "f32-packed-a8": lambda s: F32Packed.build_quantized(s.quant, s.bias, s.ops, True)
     if s.a8() else None,
     "f32-packed-bits": lambda s: F32Packed.build_quantized(s.quant, s.bias, s.ops, False),
@@ -296,7 +299,7 @@ def choose_widen_rows(module: nn.Module) -> int | None:
         else:
             gemm = kernels[0].ops.linear_bf16_packed
             timings = routed.time_two_ways(
-                kernels, [k.packed.shape[1] * 2 for k in kernels], torch.bfloat16,
+                kernels, [k.in_features for k in kernels], torch.bfloat16,
                 lambda k, x: gemm(x, k.packed, k.bias),
                 lambda k, x: gemm(x, k.packed, k.bias, widen_from=1), routed.WIDEN_TRIAL_ROWS)
         _TRIAL_TIMINGS[key] = timings
