@@ -7,7 +7,9 @@ of one decode step of a model shape through each kernel the plan may pick, again
 float32: ``Dense``, ``OneDnn`` (oneDNN's prepacked weights) and ``F32Packed`` (the CPU kernels'
 GEMM); bf16 (where the CPU has AVX512-BF16): ``Dense``, ``Bf16Rows`` (a few rows, on the plain
 weight; ``SMALL_M_ROWS``), ``Bf16Packed`` and ``Bf16PackedF32`` (its weight's rows as float32
-FMAs, the same bits). Random weights of the model's shapes (fused qkv,
+FMAs, the same bits), ``Bf16Blocks4`` / ``Bf16Blocks8`` (the weights in 4/8-bit groups of 32,
+dequantized to bf16 per task: ``--quantization`` in bf16) and ``Bf16Blocks4F32`` (those rows as
+float32 FMAs). Random weights of the model's shapes (fused qkv,
 o, fused gate/up, down per layer, then lm_head); prints milliseconds per step for each number of
 input rows (= sequences in a step).
 """
@@ -22,16 +24,16 @@ import torch
 
 from tokenmill.kernels import cpu
 from tokenmill.model.linear.dense import Bf16Rows, Dense, OneDnn
-from tokenmill.model.linear.packed import Bf16Packed, F32Packed
+from tokenmill.model.linear.packed import Bf16Blocks, Bf16Packed, F32Packed
+from tokenmill.model.quant import quantize_int4, quantize_int8
 
 
 def step_ms(kernels: list, rows: int, reps: int, dtype: torch.dtype) -> float:
     """Milliseconds for one pass of ``rows`` rows through every kernel (nan if one is None)."""
     if not kernels or any(k is None for k in kernels):
         return float("nan")
-    widths = {k.in_features for k in kernels}
-    xs = {w: torch.randn(rows, w).to(dtype) for w in widths}
-    run = lambda: [k(xs[k.in_features]) for k in kernels]  # noqa: E731
+    xs = {w: torch.randn(rows, w).to(dtype) for _, w in kernels}
+    run = lambda: [k(xs[w]) for k, w in kernels]  # noqa: E731
     run()  # warm-up
     start = time.perf_counter()
     for _ in range(reps):
@@ -40,13 +42,11 @@ def step_ms(kernels: list, rows: int, reps: int, dtype: torch.dtype) -> float:
 
 
 def built(build: Callable, weights: list[torch.Tensor]) -> list:
-    """``build(weight)`` for each weight, tagged with its input width (None where it refuses)."""
+    """(``build(weight)``, its input width) for each weight (None where it refuses)."""
     out = []
     for w in weights:
         k = build(w)
-        if k is not None:
-            k.in_features = w.shape[1]
-        out.append(k)
+        out.append(None if k is None else (k, w.shape[1]))
     return out
 
 
@@ -95,7 +95,14 @@ def main() -> None:
         "Bf16Rows": built(lambda w: Bf16Rows(w, None, ops), weights),
         "Bf16Packed": built(lambda w: Bf16Packed.build(w, None, ops), weights),
         "Bf16PackedF32": built(lambda w: widened(Bf16Packed.build(w, None, ops)), weights),
+        "Bf16Blocks4": built(lambda w: blocks(w, quantize_int4, ops), weights),
+        "Bf16Blocks4F32": built(lambda w: widened(blocks(w, quantize_int4, ops)), weights),
+        "Bf16Blocks8": built(lambda w: blocks(w, quantize_int8, ops), weights),
     }, [int(r) for r in args.bf16_rows.split(",")], args.reps, torch.bfloat16)
+
+
+def blocks(w: torch.Tensor, quantize: Callable, ops) -> Bf16Blocks | None:
+    return Bf16Blocks.build_quantized(quantize(w), None, ops)
 
 
 def widened(kernel: Bf16Packed | None) -> Bf16Packed | None:

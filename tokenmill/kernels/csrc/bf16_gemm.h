@@ -140,6 +140,7 @@ struct DotRows {  // vdpbf16ps, above
     gemm_rows<NB>(x, xs, rows, k_len, w, block_stride, out, 32, prefetch);
   }
   void forget() {}  // the weights at the address of the last call's may differ now
+  static constexpr bool kAmxOrder = false;  // sums in vdpbf16ps's order
 };
 
 // The same sums as DotRows, bit for bit, by float32 FMAs: vdpbf16ps adds, per lane, the odd
@@ -171,6 +172,7 @@ class WidenRows {
   }
   // the weights at the address of the last call's may differ now (a QuantPanel's next task)
   void forget() { panel_of_ = nullptr; }
+  static constexpr bool kAmxOrder = false;  // vdpbf16ps's sums
 
  private:
   template <int NB>
@@ -273,6 +275,7 @@ class AmxRows {
     if (config_ != 0) _tile_release();
   }
   void forget() {}
+  static constexpr bool kAmxOrder = true;  // sums in an order of AMX's own
 
   template <int NB>
   void run(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len, const uint16_t* w,
@@ -371,6 +374,9 @@ struct PackedPanel {
   const uint16_t* blocks(int64_t b0, int /*nb*/) const { return w + b0 * stride; }
 };
 
+// rows up to which a 4/8-bit weight multiplies without a panel (QuantPanel::direct)
+constexpr int64_t kDirectRows = 8;
+
 template <int64_t BITS>
 struct QuantPanel {
   static constexpr bool kFresh = true;
@@ -386,20 +392,93 @@ struct QuantPanel {
     return panel.data();
   }
 
-  // one column block: per pair of k, each feature's even weight in the low half of its lane
-  // and the odd one in the high half, rounded to bf16 to nearest (vcvtneps2bf16)
+  // Up to kDirectRows rows of x times blocks b0 .. b0 + NB - 1 into out (row stride 32), each
+  // pair of k dequantized in registers and multiplied by vdpbf16ps at once: DotRows' sums (the
+  // same instruction over the same values in the same order) without the panel's pass through
+  // memory and its second loop, whose few accumulator chains wait on vdpbf16ps's latency
+  template <int ROWS, int NB>
+  void direct(const uint16_t* x, int64_t xs, int64_t b0, float* out) const {
+    __m512 acc[ROWS][NB];
+    for (int r = 0; r < ROWS; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    const __m512i pairs = pair_order();
+    const uint8_t* rec[NB];
+    for (int b = 0; b < NB; ++b) rec[b] = q + (b0 + b) * block_bytes;
+    for (int64_t g = 0; g < groups; ++g) {
+      Vec s[NB], z[NB];
+      for (int b = 0; b < NB; ++b) f32q_scales<BITS>(rec[b], s[b], z[b]);
+      for (int64_t i = 0; i < kF32QGroup; i += 2) {
+        __m512bh wv[NB];
+        for (int b = 0; b < NB; ++b)
+          wv[b] = (__m512bh)_mm512_permutexvar_epi16(
+              pairs, (__m512i)_mm512_cvtne2ps_pbh(weight(rec[b], s[b], z[b], i + 1),
+                                                  weight(rec[b], s[b], z[b], i)));
+        for (int r = 0; r < ROWS; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + r * xs + g * kF32QGroup + i, sizeof(pair));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+          for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+        }
+      }
+      for (int b = 0; b < NB; ++b) rec[b] += f32_quant_record(BITS);
+    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * 32 + b * 16, acc[r][b]);
+  }
+
+  // direct<ROWS, NB> for 1 <= rows <= kDirectRows at run time
+  template <int NB>
+  void direct_rows(const uint16_t* x, int64_t xs, int64_t rows, int64_t b0, float* out) const {
+    using Fn = void (QuantPanel::*)(const uint16_t*, int64_t, int64_t, float*) const;
+    static constexpr Fn kRows[] = {&QuantPanel::direct<1, NB>, &QuantPanel::direct<2, NB>,
+                                   &QuantPanel::direct<3, NB>, &QuantPanel::direct<4, NB>,
+                                   &QuantPanel::direct<5, NB>, &QuantPanel::direct<6, NB>,
+                                   &QuantPanel::direct<7, NB>, &QuantPanel::direct<8, NB>};
+    static_assert(sizeof(kRows) / sizeof(kRows[0]) == kDirectRows);
+    (this->*kRows[rows - 1])(x, xs, b0, out);
+  }
+
+  // words 0-15 (even k) and 16-31 (odd k) of vcvtne2ps2bf16 taken in turn: pack_bf16_weight's
+  // pairs
+  static __m512i pair_order() {
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  }
+
+  // one column block: per pair of k, each feature's even weight in the low half of its lane and
+  // the odd one in the high half, rounded to bf16 to nearest (vcvtne2ps2bf16, then one word
+  // permute to pair them). scale * q + offset as one FMA: the product is exact (a float16
+  // scale times 4 or 8 bits), so it rounds as dequantize's multiply, then add.
   void dequantize(const uint8_t* rec, uint16_t* dst) const {
+    const __m512i pairs = pair_order();
     for (int64_t g = 0; g < groups; ++g, rec += f32_quant_record(BITS)) {
       Vec s, z;
       f32q_scales<BITS>(rec, s, z);
       for (int64_t i = 0; i < kF32QGroup; i += 2, dst += kPackCols * 2) {
-        const __m512i even = _mm512_cvtepu16_epi32(
-            (__m256i)_mm512_cvtneps_pbh(f32q_weights<BITS>(rec, s, z, i).v));
-        const __m512i odd = _mm512_cvtepu16_epi32(
-            (__m256i)_mm512_cvtneps_pbh(f32q_weights<BITS>(rec, s, z, i + 1).v));
-        _mm512_storeu_si512(dst, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+        const __m512bh both = _mm512_cvtne2ps_pbh(weight(rec, s, z, i + 1), weight(rec, s, z, i));
+        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(pairs, (__m512i)both));
       }
     }
+  }
+
+  // the 16 features' float32 weights at k = i of the group at `rec`
+  static __m512 weight(const uint8_t* rec, const Vec& s, const Vec& z, int64_t i) {
+    if constexpr (BITS == 4) {
+      // lane L's nibble (nibble L / 2 of 32-bit word L % 2: pack_f32_quant_weight's order)
+      // shifted to the lane's low 4 bits, read as a float by a permute that looks at those bits
+      // only (a port of its own, where the conversion would share vdpbf16ps's)
+      int64_t words;
+      std::memcpy(&words, rec + 2 * kPackCols * 4 + i * kPackCols / 2, 8);
+      const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24,
+                                               28, 28);
+      const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i q = _mm512_srlv_epi32(_mm512_set1_epi64(words), shifts);
+      return _mm512_fmadd_ps(_mm512_permutexvar_ps(q, values), s.v, z.v);
+    } else
+      return _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(rec + kPackCols * 4 + i * kPackCols)))),
+          s.v);
   }
 };
 
@@ -422,6 +501,17 @@ void packed_gemm(const at::Tensor& x, const Source& src, int64_t blocks,
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;
       const int nb = b0 + 1 < blocks ? 2 : 1;
+      if constexpr (Source::kFresh && !Rows::kAmxOrder) {
+        if (rows <= kDirectRows) {  // decode: a 4/8-bit weight multiplied as it is dequantized
+          for (int64_t r = 0; r < rows; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
+          if (nb == 2)
+            src.template direct_rows<2>(xp, xs, rows, b0, scratch.data());
+          else
+            src.template direct_rows<1>(xp, xs, rows, b0, scratch.data());
+          for (int64_t r = 0; r < rows; ++r) epilogue(r, scratch.data() + r * 32, b0, nb);
+          continue;
+        }
+      }
       const uint16_t* w = src.blocks(b0, nb);
       if (Source::kFresh) kernel.forget();
       for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
