@@ -56,6 +56,7 @@ def kernels(plan) -> dict[str, str]:
     ("avx2", "float32", "int4", dict.fromkeys(ROLES, "f32-packed-a8")),
     ("avx512-bf16", "bfloat16", "int8",
      {**dict.fromkeys(ROLES, "bf16-blocks"), "gate_up": "bf16-blocks-silu"}),
+    ("amx", "bfloat16", "int8", dict.fromkeys(ROLES, "quant-a8")),
     ("avx2", "bfloat16", "int4", dict.fromkeys(ROLES, "quant")),
     ("bare", "float32", "int8", dict.fromkeys(ROLES, "quant-torch")),
 ])

@@ -115,8 +115,12 @@ def test_tokenmill_plan_prints_a_described_machines_plan(capsys) -> None:
     plan = json.loads(capsys.readouterr().out)
     assert plan["machine"]["cpu"] == "described: amx"
     assert plan["dtype"]["value"] == "bfloat16" and plan["linear"]["quantization"] == "int8"
-    # int8 weights multiply on the packed bf16 GEMM, dequantized per task: the fused step
+    # with AMX, int8 weights keep the VNNI kernels (prompts dequantized through oneDNN's tiles)
+    assert plan["cpu_step"].startswith("eager: not every linear layer")
+    # without, they multiply on the packed bf16 GEMM, dequantized per task: the fused step
     # takes them
+    assert main(["plan", "--machine", "avx512-bf16", "--quantization", "int8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
     assert plan["linear"]["kernels"]["qkv"] == "bf16-blocks"
     assert plan["linear"]["kernels"]["gate_up"] == "bf16-blocks-silu"
-    assert plan["cpu_step"] == "fused"
+    assert plan["cpu_step"] == "fused" and plan["batch_invariant"].startswith("on")

@@ -16,7 +16,10 @@ from tokenmill.platform import KernelCaps, Machine
 FLOAT32_IN_BITS = True
 # bf16 with 4/8-bit weights in groups of 32 (GGUF's Q8_0 / Q4_0 / Q4_1 under auto, int8, int4)
 # on the packed bf16 GEMM, dequantized to bf16 per task (Bf16Blocks: the bf16 model's products,
-# bit for bit, from a quarter to a half of its bytes); off, they take the kernels below
+# bit for bit, from a quarter to a half of its bytes); off, they take the kernels below. Not on
+# a CPU with AMX: there bf16 prompts go to oneDNN's tiles and so do these weights' (dequantized
+# above 16 rows), which vdpbf16ps over the blocks would take 3-5x longer (tiles over the
+# dequantized panel are not measured yet)
 BF16_BLOCKS = True
 # Quantized weights in groups of 32 (int8, int4, and GGUF's Q8_0 / Q4_0 / Q4_1 under auto)
 # otherwise multiply int8 activations (dynamic per-token scales) where the CPU has int8 dot products
@@ -225,7 +228,8 @@ def _quant_kernels(machine: Machine, dtype: str, quantization: str, layer_caps: 
     if in_bits:
         return ("f32-packed-bits", DEQUANTIZE)
     packed = ()
-    if BF16_BLOCKS and dtype == "bfloat16" and layer_caps.bf16_gemm and layer_caps.f32_gemm:
+    if (BF16_BLOCKS and dtype == "bfloat16" and layer_caps.bf16_gemm and layer_caps.f32_gemm
+            and not machine.kernel_caps.amx):
         packed = ("bf16-blocks",)
     if dtype == "float32" and layer_caps.f32_gemm:
         packed = ("f32-packed-a8",) * (a8 and layer_caps.a8_gemm) + ("f32-packed-bits",)
