@@ -12,7 +12,9 @@
 //   paged_attention.h  paged_attention (with merge: cascade attention's partial results)
 //   layer_ops.h        rms_norm, rope_, silu_and_mul (bfloat16 / float16), silu_and_mul_rows
 //   bf16_rows.h        linear_bf16_rows: one to four rows (AVX512-BF16)
-//   bf16_gemm.h        linear_bf16_packed(_silu) over weights packed for vdpbf16ps (or AMX)
+//   bf16_amx.h         AmxRows: the packed bf16 GEMM's rows on AMX tiles
+//   bf16_gemm.h        linear_bf16_packed(_silu) over weights packed for vdpbf16ps (or AMX),
+//                      or 4/8-bit weights dequantized to bf16 per task
 //   f32_gemm.h         the float32 GEMM's packing (float32 or 4/8-bit weights) and tiles
 //   a8_gemm.h          4/8-bit weights times rows of x quantized to int8 (AVX2)
 //   f32_linear.h       linear_f32_packed(_add), over any of the two above's weights
@@ -28,6 +30,7 @@
 #include <torch/extension.h>
 
 #include "a8_gemm.h"
+#include "bf16_amx.h"
 #include "bf16_gemm.h"
 #include "bf16_rows.h"
 #include "common.h"
