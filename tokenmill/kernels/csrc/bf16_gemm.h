@@ -22,19 +22,20 @@
 //
 // The same packing is what AMX's TDPBF16PS takes as its B tile: 16 consecutive pairs of a
 // column block are 16 rows of 64 bytes. With `amx` (a CPU with AMX-BF16, K a multiple of 32)
-// the row tiles are AMX tiles of up to 16 rows instead (AmxRows, bf16_amx.h): 4-5x the packed kernel's
-// pace from 256 rows (the default model's linears, 2-core Xeon), near oneDNN's. A tile's sums
-// for a row depend on that row alone, in one order along K whatever the tile's other rows, so
-// at every row count it is a batch-invariant GEMM (their sums are not vdpbf16ps's: AMX adds a
-// tile's products in an order of its own).
+// the row tiles are AMX tiles of up to 16 rows instead (AmxRows, bf16_amx.h): 4-5x the packed
+// kernel's pace from 256 rows (the default model's linears, 2-core Xeon), near oneDNN's. A
+// tile's sums for a row depend on that row alone, in one order along K whatever the tile's
+// other rows, so at every row count it is a batch-invariant GEMM (their sums are not
+// vdpbf16ps's: AMX adds a tile's products in an order of its own).
 //
 // A 4- or 8-bit weight in groups of 32 (a GGUF's Q4_0 / Q4_1 / Q8_0, --quantization int4 /
 // int8), packed by pack_f32_quant_weight (f32_gemm.h), multiplies here too: each task
 // dequantizes its column blocks into a bf16 panel in the layout above (QuantPanel), each weight
 // float32 scale * q (+ offset) rounded to bf16 -- what a bf16 model read from those blocks
-// holds -- and the row kernels then run over the panel. So the sums are the bf16 weight's, bit
-// for bit, at every row count and on every row kernel, while a step reads 0.75 or 1.125 bytes
-// per weight from memory instead of 2.
+// holds -- and the row kernels then run over the panel (up to kDirectRows rows, vdpbf16ps takes
+// each pair of k as it is dequantized in registers, with no panel). So the sums are the bf16
+// weight's, bit for bit, at every row count and on every row kernel, while a step reads 0.75 or
+// 1.125 bytes per weight from memory instead of 2.
 
 #pragma once
 

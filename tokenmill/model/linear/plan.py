@@ -221,8 +221,8 @@ def _quant_kernels(machine: Machine, dtype: str, quantization: str, layer_caps: 
                    a8: bool, in_bits: bool) -> tuple[str, ...]:
     """For a 4/8-bit weight: in bf16, the packed bf16 GEMM over its blocks (``BF16_BLOCKS``);
     float32's packed GEMM (in its bits, or with int8 activations); else the kernels multiplying
-    from the bytes; unquantized ("none") weights kept in their
-    bits for the GEMM that it cannot take are dequantized at load instead."""
+    from the bytes; unquantized ("none") weights kept in their bits for the GEMM that it cannot
+    take are dequantized at load instead."""
     if quantization == "fp8":
         return ("fp8",)
     if in_bits:
