@@ -293,10 +293,7 @@ struct QuantPanel {
       for (int b = 0; b < NB; ++b) f32q_scales<BITS>(rec[b], s[b], z[b]);
       for (int64_t i = 0; i < kF32QGroup; i += 2) {
         __m512bh wv[NB];
-        for (int b = 0; b < NB; ++b)
-          wv[b] = (__m512bh)_mm512_permutexvar_epi16(
-              pairs, (__m512i)_mm512_cvtne2ps_pbh(weight(rec[b], s[b], z[b], i + 1),
-                                                  weight(rec[b], s[b], z[b], i)));
+        for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)pair(rec[b], s[b], z[b], i, pairs);
         for (int r = 0; r < ROWS; ++r) {
           int32_t pair;
           std::memcpy(&pair, x + r * xs + g * kF32QGroup + i, sizeof(pair));
@@ -329,23 +326,29 @@ struct QuantPanel {
                             22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   }
 
-  // one column block: per pair of k, each feature's even weight in the low half of its lane and
-  // the odd one in the high half, rounded to bf16 to nearest (vcvtne2ps2bf16, then one word
-  // permute to pair them). scale * q + offset as one FMA: the product is exact (a float16
-  // scale times 4 or 8 bits), so it rounds as dequantize's multiply, then add.
+  // the 16 features' weights at k = i and i + 1 of the group at `rec` as pack_bf16_weight pairs
+  // them: each feature's even weight in the low half of its lane and the odd one in the high
+  // half, rounded to bf16 to nearest (vcvtne2ps2bf16, then one word permute by `pairs`)
+  static __m512i pair(const uint8_t* rec, const Vec& s, const Vec& z, int64_t i,
+                      const __m512i& pairs) {
+    return _mm512_permutexvar_epi16(
+        pairs, (__m512i)_mm512_cvtne2ps_pbh(weight(rec, s, z, i + 1), weight(rec, s, z, i)));
+  }
+
+  // one column block, pair by pair, into dst in pack_bf16_weight's layout
   void dequantize(const uint8_t* rec, uint16_t* dst) const {
     const __m512i pairs = pair_order();
     for (int64_t g = 0; g < groups; ++g, rec += f32_quant_record(BITS)) {
       Vec s, z;
       f32q_scales<BITS>(rec, s, z);
-      for (int64_t i = 0; i < kF32QGroup; i += 2, dst += kPackCols * 2) {
-        const __m512bh both = _mm512_cvtne2ps_pbh(weight(rec, s, z, i + 1), weight(rec, s, z, i));
-        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(pairs, (__m512i)both));
-      }
+      for (int64_t i = 0; i < kF32QGroup; i += 2, dst += kPackCols * 2)
+        _mm512_storeu_si512(dst, pair(rec, s, z, i, pairs));
     }
   }
 
-  // the 16 features' float32 weights at k = i of the group at `rec`
+  // the 16 features' float32 weights at k = i of the group at `rec`. 4 bits: scale * q + offset
+  // as one FMA (the product is exact, a float16 scale times 4 bits, so it rounds as
+  // dequantize's multiply, then add); 8 bits: f32_gemm.h's widening
   static __m512 weight(const uint8_t* rec, const Vec& s, const Vec& z, int64_t i) {
     if constexpr (BITS == 4) {
       // lane L's nibble (nibble L / 2 of 32-bit word L % 2: pack_f32_quant_weight's order)
@@ -359,10 +362,7 @@ struct QuantPanel {
       const __m512i q = _mm512_srlv_epi32(_mm512_set1_epi64(words), shifts);
       return _mm512_fmadd_ps(_mm512_permutexvar_ps(q, values), s.v, z.v);
     } else
-      return _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(rec + kPackCols * 4 + i * kPackCols)))),
-          s.v);
+      return f32q_weights<8>(rec, s, z, i).v;
   }
 };
 

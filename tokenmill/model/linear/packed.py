@@ -59,11 +59,7 @@ class F32Packed(LinearKernel):
         """``qw`` in its bits, or for int8 activations; None where the layout cannot hold it."""
         attr = "a8_pack_cols" if int8_activations else "f32_pack_cols"
         cols = getattr(ops, attr, 0) if ops is not None else 0
-        if not (cols and qw.qweight.device.type == "cpu" and qw.bits in (4, 8)
-                and qw.group_size == 32
-                and qw.qweight.dtype == (torch.uint8 if qw.bits == 4 else torch.int8)
-                and qw.scales.dtype == torch.float16 and qw.shape[0] % cols == 0
-                and (qw.bits == 8 or qw.zeros is not None)):
+        if not _packable_in_bits(qw, cols):
             return None
         pack = ops.pack_a8_weight if int8_activations else ops.pack_f32_quant_weight
         packed = pack(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size)
@@ -78,6 +74,17 @@ class F32Packed(LinearKernel):
 
     def step_weight(self) -> StepWeight:
         return StepWeight("f32", self.packed, self.bias)
+
+
+def _packable_in_bits(qw: QuantWeight, cols: int) -> bool:
+    """Whether the packings of 4/8-bit weights in their bits (``pack_f32_quant_weight``,
+    ``pack_a8_weight``) take ``qw`` in column blocks of ``cols`` (0: no such kernels): 4 or 8 bits
+    in groups of 32 with float16 scales (4 bits with offsets), on the CPU."""
+    return bool(cols and qw.qweight.device.type == "cpu" and qw.bits in (4, 8)
+                and qw.group_size == 32
+                and qw.qweight.dtype == (torch.uint8 if qw.bits == 4 else torch.int8)
+                and qw.scales.dtype == torch.float16 and qw.shape[0] % cols == 0
+                and (qw.bits == 8 or qw.zeros is not None))
 
 
 class Bf16Packed(LinearKernel):
@@ -176,14 +183,11 @@ class Bf16PackedSilu(Bf16Packed):
 
 
 def _blocks_ready(qw: QuantWeight, ops) -> bool:
-    """Whether ``pack_f32_quant_weight`` takes ``qw`` in the bf16 GEMM's column blocks: 4 or 8
-    bits in groups of 32 with float16 scales (4 bits with offsets), N in blocks of 16."""
+    """Whether ``pack_f32_quant_weight`` takes ``qw`` in the bf16 GEMM's column blocks (its
+    float32 packing's blocks are 16 features wide, as the bf16 GEMM's are, on AVX512)."""
     return (ops is not None and getattr(ops, "has_bf16_gemm", False)
             and getattr(ops, "f32_pack_cols", 0) == BF16_PACK_COLS
-            and qw.qweight.device.type == "cpu" and qw.bits in (4, 8) and qw.group_size == 32
-            and qw.qweight.dtype == (torch.uint8 if qw.bits == 4 else torch.int8)
-            and qw.scales.dtype == torch.float16 and qw.shape[0] % BF16_PACK_COLS == 0
-            and (qw.bits == 8 or qw.zeros is not None))
+            and _packable_in_bits(qw, BF16_PACK_COLS))
 
 
 class Bf16Blocks(Bf16Packed):
@@ -229,8 +233,10 @@ class Bf16BlocksSilu(Bf16Blocks, Bf16PackedSilu):
     @classmethod
     def build_quantized(cls, qw: QuantWeight, bias: torch.Tensor | None,
                         ops) -> Bf16BlocksSilu | None:
-        plain = Bf16Blocks.build_quantized(qw, bias, ops)
-        if bias is not None or plain is None or plain.packed.shape[0] % 2:
+        if bias is not None:
+            return None
+        plain = Bf16Blocks.build_quantized(qw, None, ops)
+        if plain is None or plain.packed.shape[0] % 2:
             return None
         return cls(plain.interleaved(), None, ops, qw.kind)
 
