@@ -18,7 +18,7 @@ from tokenmill.model.linear import plan_linears
 from tokenmill.model.linear.activation import silu_and_mul
 from tokenmill.model.linear.dense import Bf16Rows, Dense, OneDnn
 from tokenmill.model.linear.packed import (Bf16Blocks, Bf16BlocksSilu, Bf16Packed,
-                                           Bf16PackedSilu, F32Packed)
+                                           Bf16PackedSilu, interleaved_columns, F32Packed)
 from tokenmill.model.linear.plan import ROLES
 from tokenmill.model.linear.quantized import Fp8, QuantBytes
 from tokenmill.model.linear.routed import OneDnnRouted
@@ -323,35 +323,86 @@ def test_float32_fmas_read_denormal_inputs_as_zero_as_vdpbf16ps_does():
                            torch.zeros(2, 32, dtype=torch.bfloat16))
 
 
-@needs_bf16_gemm
-@pytest.mark.parametrize("quantize", [Q.quantize_int4, Q.quantize_int8])
-@pytest.mark.parametrize("n,k,bias", [(48, 96, True), (2 * 96, 64, False), (64, 576, False)])
-def test_4_and_8_bit_blocks_give_the_bf16_weights_bits(quantize, n, k, bias):
-    """Bf16Blocks (csrc/bf16_gemm.h's QuantPanel): a 4/8-bit weight dequantized per task into
-    bf16 gives the products of that weight rounded to bf16 and packed, bit for bit: by
-    vdpbf16ps and by the float32 FMAs, through row tiles of 1-8 and 64-row chunks, an odd
-    trailing column block (48 features), a bias and the SiLU·mul epilogue."""
+BLOCK_SHAPES = [(48, 96, True), (2 * 96, 64, False), (64, 576, False)]
+
+
+def _blocks_and_rows(n, k, bias, quantize):
+    """Bf16Blocks (and, without a bias, Bf16BlocksSilu) of a random layer's weight quantized
+    by ``quantize``, the weight dequantized, the bf16 bias, and a function giving ``rows``
+    random rows of x, every third one 1000x the rest."""
     layer = linear(n, k, torch.float32, bias, seed=n + k)
     qw = quantize(layer.weight.detach())
     bias_bf16 = layer.bias.detach().bfloat16() if bias else None
     blocks = Bf16Blocks.build_quantized(qw, bias_bf16, ops)
-    dense = Bf16Packed.build(Q.dequantize(qw).bfloat16(), bias_bf16, ops)
     assert blocks.packed.dtype == torch.uint8 and blocks.weight_format == qw.kind
     assert blocks.in_features == k and blocks.step_weight().gemm == "bf16"
-    gated = None if bias else (Bf16BlocksSilu.build_quantized(qw, None, ops),
-                               Bf16PackedSilu.build(Q.dequantize(qw).bfloat16(), None, ops))
-    for rows in (1, 8, 9, 64, 65, 130):
+    gated = None if bias else Bf16BlocksSilu.build_quantized(qw, None, ops)
+    assert gated is None or (gated.applies_silu and gated.family == "bf16-blocks-silu")
+
+    def rows_of_x(rows):
         x = torch.randn(rows, k)
         x[::3] *= 1000
-        x = x.bfloat16()
+        return x.bfloat16()
+    return blocks, gated, Q.dequantize(qw), bias_bf16, rows_of_x
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("n,k,bias", BLOCK_SHAPES)
+def test_8_bit_blocks_give_the_bf16_weights_bits(n, k, bias):
+    """Bf16Blocks over 8-bit groups (csrc/bf16_gemm.h's QuantPanel): the weight dequantized
+    per task into bf16 gives the products of that weight rounded to bf16 and packed, bit for
+    bit: by vdpbf16ps and by the float32 FMAs, through row tiles of 1-8 and 64-row chunks, an
+    odd trailing column block (48 features), a bias and the SiLU·mul epilogue."""
+    blocks, gated, weight, bias_bf16, rows_of_x = _blocks_and_rows(n, k, bias, Q.quantize_int8)
+    dense = Bf16Packed.build(weight.bfloat16(), bias_bf16, ops)
+    dense_gated = None if gated is None else Bf16PackedSilu.build(weight.bfloat16(), None, ops)
+    for rows in (1, 8, 9, 64, 65, 130):
+        x = rows_of_x(rows)
         for widen_from in (0, 1):
             blocks.widen_from = dense.widen_from = widen_from
             assert torch.equal(bits(blocks(x)), bits(dense(x))), (rows, widen_from)
             if gated is not None:
-                gated[0].widen_from = gated[1].widen_from = widen_from
-                assert torch.equal(bits(gated[0](x)), bits(gated[1](x))), (rows, widen_from)
+                gated.widen_from = dense_gated.widen_from = widen_from
+                assert torch.equal(bits(gated(x)), bits(dense_gated(x))), (rows, widen_from)
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("n,k,bias", BLOCK_SHAPES)
+def test_4_bit_blocks_sum_each_row_alike_at_every_row_count(n, k, bias):
+    """Bf16Blocks over 4-bit groups (csrc/bf16_nibbles.h): vdpbf16ps over the nibbles as bf16
+    16 + q, scaled per group in float32. Each row's outputs are the same bits whatever the
+    rows beside it (tiles of 1-16 rows, one or two column blocks, an odd trailing block) and
+    by vdpbf16ps or float32 FMAs; they are the float64 product of x and the blocks' weights
+    rounded once to bf16 but for an output next to a rounding boundary -- closer to it than
+    the bf16 weights' products (each weight rounded to bf16) -- and SiLU·mul's epilogue gives
+    the products' activation bit for bit."""
+    blocks, gated, weight, bias_bf16, rows_of_x = _blocks_and_rows(n, k, bias, Q.quantize_int4)
+    dense = Bf16Packed.build(weight.bfloat16(), bias_bf16, ops)
+    x = rows_of_x(130)
+    full = blocks(x)
+    for rows in (1, 2, 8, 9, 16, 17, 64, 65, 130):
+        for start in (0, 130 - rows):
+            for widen_from in (0, 1):
+                blocks.widen_from = widen_from
+                got = blocks(x[start:start + rows])
+                assert torch.equal(bits(got), bits(full[start:start + rows])), \
+                    (rows, start, widen_from)
+    blocks.widen_from = 0
+    ref = x.double() @ weight.double().T
+    if bias_bf16 is not None:
+        ref += bias_bf16.double()
+    # within a bf16 step of the exact product, but for float32's error summing across K
+    scale = x.double().abs() @ weight.double().abs().T
+    assert ((full.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + scale * 2.0 ** -12).all()
+    rounded = ref.bfloat16()
+    exact = (full == rounded).float().mean()
+    assert exact > 0.98 and (dense(x) == rounded).float().mean() < exact
     if gated is not None:
-        assert gated[0].applies_silu and gated[0].family == "bf16-blocks-silu"
+        for widen_from in (0, 1):
+            gated.widen_from = widen_from
+            y = gated.product(x)
+            assert torch.equal(bits(gated(x)), bits(gated.activate(y))), widen_from
+            assert torch.equal(bits(y[:, interleaved_columns(n)]), bits(full))
 
 
 @needs_bf16_gemm

@@ -515,35 +515,38 @@ needs_bf16_gemm = pytest.mark.skipif(not getattr(OPS, "has_bf16_gemm", False),
 
 @pytest.mark.slow  # the real model
 @needs_bf16_gemm
-def test_default_model_in_its_blocks_gives_the_bf16_logits(default_gguf_path):
+def test_default_model_in_its_blocks_runs_in_bf16_as_eager(default_gguf_path):
     """--quantization auto on a bf16 model (the default dtype here): the file's Q4_1 / Q8_0
-    blocks kept and multiplied on the packed bf16 GEMM, dequantized to bf16 per task, give the
-    bf16 model's logits bit for bit, eager and fused, by vdpbf16ps and by float32 FMAs, on
-    prompts of 1 to 40 tokens and a batch of decode rows."""
+    blocks kept and multiplied on the packed bf16 GEMM (Q4_1 as bf16 16 + q scaled per group,
+    Q8_0 dequantized to bf16 per task). The fused step gives the eager path's logits bit for
+    bit, by vdpbf16ps and by float32 FMAs, on prompts of 1 to 40 tokens and a batch of decode
+    rows; and those logits are close to the bf16 model's (the weights' products summed
+    without rounding each weight to bf16): the same top token at nearly every position."""
     auto = load_model(str(default_gguf_path), "cpu", "bfloat16", "auto", "auto")
     dense = load_model(str(default_gguf_path), "cpu", "bfloat16", "auto", "none")
     assert auto.quantization == "q4_1 x120, q8_0 x1"  # x stays bf16: no int8 activations
     linears = [x for x in auto.model.modules() if isinstance(x, Linear)]
     assert {x.kernel.family for x in linears} == {"bf16-blocks", "bf16-blocks-silu"}
     assert all(x.kernel.step_weight().packed.dtype == torch.uint8 for x in linears)
-    runners = [ModelRunner(m, num_blocks=64, block_size=16) for m in (dense, auto)]
+    eager, fused, ref = (ModelRunner(m, num_blocks=64, block_size=16) for m in (auto, auto, dense))
     gen = torch.Generator().manual_seed(0)
-    for fused, widen_from in ((False, 0), (True, 0), (True, 1)):
-        for m in (dense, auto):
-            for x in m.model.modules():
-                if isinstance(x, Linear):
-                    x.kernel.widen_from = widen_from
-        if fused:
-            assert [r.fuse_cpu_step() for r in runners] == ["fused"] * 2
-        for length in (1, 3, 9, 40):
-            ids = torch.randint(100, 40000, (length,), generator=gen).tolist()
-            chunk = Chunk(ids, 0, list(range(-(-length // 16))))
-            want, got = (r.forward([chunk], all_logits=True) for r in runners)
-            assert torch.equal(got, want), (fused, widen_from, length)
-        chunks = [Chunk([int(t)], p, [4 + i]) for i, (t, p) in
-                  enumerate(zip(torch.randint(100, 40000, (8,), generator=gen), range(8)))]
-        want, got = (r.forward(chunks) for r in runners)
-        assert torch.equal(got, want), (fused, widen_from)
+    prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (1, 3, 9, 40)]
+    decode = [Chunk([int(t)], p, [4 + i]) for i, (t, p) in
+              enumerate(zip(torch.randint(100, 40000, (8,), generator=gen), range(8)))]
+
+    def logits(runner):
+        out = [runner.forward([Chunk(ids, 0, list(range(-(-len(ids) // 16))))],
+                              all_logits=True) for ids in prompts]
+        return out + [runner.forward(decode)]
+    want = logits(eager)
+    assert fused.fuse_cpu_step() == "fused"
+    for widen_from in (0, 1):
+        for x in linears:
+            x.kernel.widen_from = widen_from
+        assert all(torch.equal(g, w) for g, w in zip(logits(fused), want)), widen_from
+    close = torch.cat([(g.argmax(-1) == w.argmax(-1)).float()
+                       for g, w in zip(want, logits(ref))])
+    assert close.mean() >= 0.9, close
 
 
 @pytest.mark.slow  # the real model

@@ -28,18 +28,20 @@
 // other rows, so at every row count it is a batch-invariant GEMM (their sums are not
 // vdpbf16ps's: AMX adds a tile's products in an order of its own).
 //
-// A 4- or 8-bit weight in groups of 32 (a GGUF's Q4_0 / Q4_1 / Q8_0, --quantization int4 /
-// int8), packed by pack_f32_quant_weight (f32_gemm.h), multiplies here too: each task
-// dequantizes its column blocks into a bf16 panel in the layout above (QuantPanel), each weight
-// float32 scale * q (+ offset) rounded to bf16 -- what a bf16 model read from those blocks
-// holds -- and the row kernels then run over the panel (up to kDirectRows rows, vdpbf16ps takes
-// each pair of k as it is dequantized in registers, with no panel). So the sums are the bf16
-// weight's, bit for bit, at every row count and on every row kernel, while a step reads 0.75 or
-// 1.125 bytes per weight from memory instead of 2.
+// An 8-bit weight in groups of 32 (a GGUF's Q8_0, --quantization int8), packed by
+// pack_f32_quant_weight (f32_gemm.h), multiplies here too: each task dequantizes its column
+// blocks into a bf16 panel in the layout above (QuantPanel), each weight float32 scale * q
+// rounded to bf16 -- what a bf16 model read from those blocks holds -- and the row kernels then
+// run over the panel (up to kDirectRows rows, vdpbf16ps takes each pair of k as it is
+// dequantized in registers, with no panel). So the sums are the bf16 weight's, bit for bit, at
+// every row count and on every row kernel, while a step reads 1.125 bytes per weight from
+// memory instead of 2. A 4-bit weight (Q4_0 / Q4_1, int4) goes to bf16_nibbles.h, whose
+// nibbles vdpbf16ps reads as they are.
 
 #pragma once
 
 #include "bf16_amx.h"
+#include "bf16_nibbles.h"
 #include "common.h"
 #include "f32_gemm.h"
 
@@ -248,7 +250,7 @@ class WidenRows {
 };
 
 // Where a task's column blocks come from (packed_gemm's Source): PackedPanel, the packed bf16
-// weight itself; QuantPanel, a 4/8-bit weight dequantized per task. blocks(b0, nb) is the
+// weight itself; QuantPanel, an 8-bit weight dequantized per task. blocks(b0, nb) is the
 // address of blocks b0 .. b0 + nb - 1 in pack_bf16_weight's layout, `stride` bf16 elements
 // apart; kFresh: the address is a per-thread panel that the next task overwrites.
 struct PackedPanel {
@@ -258,10 +260,9 @@ struct PackedPanel {
   const uint16_t* blocks(int64_t b0, int /*nb*/) const { return w + b0 * stride; }
 };
 
-// rows up to which a 4/8-bit weight multiplies without a panel (QuantPanel::direct)
+// rows up to which an 8-bit weight multiplies without a panel (QuantPanel::direct)
 constexpr int64_t kDirectRows = 8;
 
-template <int64_t BITS>
 struct QuantPanel {
   static constexpr bool kFresh = true;
   const uint8_t* q;     // pack_f32_quant_weight's records
@@ -290,7 +291,7 @@ struct QuantPanel {
     for (int b = 0; b < NB; ++b) rec[b] = q + (b0 + b) * block_bytes;
     for (int64_t g = 0; g < groups; ++g) {
       Vec s[NB], z[NB];
-      for (int b = 0; b < NB; ++b) f32q_scales<BITS>(rec[b], s[b], z[b]);
+      for (int b = 0; b < NB; ++b) f32q_scales<8>(rec[b], s[b], z[b]);
       for (int64_t i = 0; i < kF32QGroup; i += 2) {
         __m512bh wv[NB];
         for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)pair(rec[b], s[b], z[b], i, pairs);
@@ -301,7 +302,7 @@ struct QuantPanel {
           for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
         }
       }
-      for (int b = 0; b < NB; ++b) rec[b] += f32_quant_record(BITS);
+      for (int b = 0; b < NB; ++b) rec[b] += f32_quant_record(8);
     }
     for (int r = 0; r < ROWS; ++r)
       for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * 32 + b * 16, acc[r][b]);
@@ -338,31 +339,17 @@ struct QuantPanel {
   // one column block, pair by pair, into dst in pack_bf16_weight's layout
   void dequantize(const uint8_t* rec, uint16_t* dst) const {
     const __m512i pairs = pair_order();
-    for (int64_t g = 0; g < groups; ++g, rec += f32_quant_record(BITS)) {
+    for (int64_t g = 0; g < groups; ++g, rec += f32_quant_record(8)) {
       Vec s, z;
-      f32q_scales<BITS>(rec, s, z);
+      f32q_scales<8>(rec, s, z);
       for (int64_t i = 0; i < kF32QGroup; i += 2, dst += kPackCols * 2)
         _mm512_storeu_si512(dst, pair(rec, s, z, i, pairs));
     }
   }
 
-  // the 16 features' float32 weights at k = i of the group at `rec`. 4 bits: scale * q + offset
-  // as one FMA (the product is exact, a float16 scale times 4 bits, so it rounds as
-  // dequantize's multiply, then add); 8 bits: f32_gemm.h's widening
+  // the 16 features' float32 weights at k = i of the group at `rec` (f32_gemm.h's widening)
   static __m512 weight(const uint8_t* rec, const Vec& s, const Vec& z, int64_t i) {
-    if constexpr (BITS == 4) {
-      // lane L's nibble (nibble L / 2 of 32-bit word L % 2: pack_f32_quant_weight's order)
-      // shifted to the lane's low 4 bits, read as a float by a permute that looks at those bits
-      // only (a port of its own, where the conversion would share vdpbf16ps's)
-      int64_t words;
-      std::memcpy(&words, rec + 2 * kPackCols * 4 + i * kPackCols / 2, 8);
-      const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24,
-                                               28, 28);
-      const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const __m512i q = _mm512_srlv_epi32(_mm512_set1_epi64(words), shifts);
-      return _mm512_fmadd_ps(_mm512_permutexvar_ps(q, values), s.v, z.v);
-    } else
-      return f32q_weights<8>(rec, s, z, i).v;
+    return f32q_weights<8>(rec, s, z, i).v;
   }
 };
 
@@ -386,7 +373,7 @@ void packed_gemm(const at::Tensor& x, const Source& src, int64_t blocks,
       const int64_t b0 = 2 * t;
       const int nb = b0 + 1 < blocks ? 2 : 1;
       if constexpr (Source::kFresh && !Rows::kAmxOrder) {
-        if (rows <= kDirectRows) {  // decode: a 4/8-bit weight multiplied as it is dequantized
+        if (rows <= kDirectRows) {  // decode: an 8-bit weight multiplied as it is dequantized
           for (int64_t r = 0; r < rows; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
           if (nb == 2)
             src.template direct_rows<2>(xp, xs, rows, b0, scratch.data());
@@ -416,12 +403,15 @@ void packed_gemm(const at::Tensor& x, const Source& src, int64_t blocks,
   });
 }
 
-// 0: a bf16 weight packed by pack_bf16_weight; 4 or 8: a 4/8-bit weight packed by
-// pack_f32_quant_weight; -1: neither
+// 0: a bf16 weight packed by pack_bf16_weight; 4: a 4-bit one packed by pack_bf16_nibbles;
+// 8: an 8-bit one packed by pack_f32_quant_weight; -1: none of them
 int64_t packed_bits(const at::Tensor& packed) {
   if (packed.scalar_type() == at::kBFloat16) return 0;
-  if (packed.scalar_type() != at::kByte || packed.dim() != 3) return -1;
-  return packed.size(2) == f32_quant_record(4) ? 4 : packed.size(2) == f32_quant_record(8) ? 8 : -1;
+  if (is_nibble_pack(packed)) return 4;
+  return packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                 packed.size(2) == f32_quant_record(8)
+             ? 8
+             : -1;
 }
 
 void check_packed(const at::Tensor& x, const at::Tensor& packed, bool amx, const char* what) {
@@ -432,9 +422,10 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, bool amx, const
                   (bits == 0 ? packed.dim() == 4 && packed.size(2) == kPackCols &&
                                    packed.size(1) == (x.size(1) + 1) / 2
                              : bits > 0 && packed.size(1) * kF32QGroup == x.size(1)),
-              what, ": a weight packed by pack_bf16_weight (or pack_f32_quant_weight) for x's K");
-  TORCH_CHECK(!amx || (amx_usable() && x.size(1) % 32 == 0), what,
-              ": amx needs AMX tiles this process may use and K a multiple of 32");
+              what, ": a weight packed by pack_bf16_weight, pack_bf16_nibbles (4 bits) or "
+              "pack_f32_quant_weight (8 bits) for x's K");
+  TORCH_CHECK(!amx || (amx_usable() && x.size(1) % 32 == 0 && !is_nibble_pack(packed)), what,
+              ": amx needs AMX tiles this process may use, K a multiple of 32 and no nibbles");
 }
 
 // packed_gemm over `src` on AMX tiles, or by vdpbf16ps, or from widen_from rows (> 0) by
@@ -450,11 +441,13 @@ void gemm_rows_on(bool amx, int64_t widen_from, const at::Tensor& x, const Sourc
   packed_gemm<DotRows>(x, src, blocks, epilogue, out_at);
 }
 
-// gemm_rows_on over a packed bf16 weight, or a 4/8-bit one dequantized task by task
+// gemm_rows_on over a packed bf16 weight or an 8-bit one dequantized task by task; a 4-bit one
+// by nibble_gemm
 template <typename Epilogue, typename OutAt>
 void packed_gemm_on(bool amx, int64_t widen_from, const at::Tensor& x, const at::Tensor& packed,
                     const Epilogue& epilogue, const OutAt& out_at) {
   const int64_t bits = packed_bits(packed), blocks = packed.size(0);
+  if (bits == 4) return nibble_gemm(x, packed, widen_from, epilogue, out_at);
   if (bits == 0) {
     const PackedPanel src{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                           packed.size(1) * kPackCols * 2};
@@ -463,11 +456,8 @@ void packed_gemm_on(bool amx, int64_t widen_from, const at::Tensor& x, const at:
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const int64_t groups = packed.size(1), block_bytes = groups * packed.size(2);
   const int64_t stride = groups * (kF32QGroup / 2) * kPackCols * 2;
-  if (bits == 4)
-    return gemm_rows_on(amx, widen_from, x, QuantPanel<4>{q, block_bytes, groups, stride},
-                        blocks, epilogue, out_at);
-  gemm_rows_on(amx, widen_from, x, QuantPanel<8>{q, block_bytes, groups, stride}, blocks,
-               epilogue, out_at);
+  gemm_rows_on(amx, widen_from, x, QuantPanel{q, block_bytes, groups, stride}, blocks, epilogue,
+               out_at);
 }
 
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,

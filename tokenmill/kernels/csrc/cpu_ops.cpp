@@ -13,8 +13,9 @@
 //   layer_ops.h        rms_norm, rope_, silu_and_mul (bfloat16 / float16), silu_and_mul_rows
 //   bf16_rows.h        linear_bf16_rows: one to four rows (AVX512-BF16)
 //   bf16_amx.h         AmxRows: the packed bf16 GEMM's rows on AMX tiles
+//   bf16_nibbles.h     4-bit weights multiplied by vdpbf16ps as bf16 16 + q, scaled per group
 //   bf16_gemm.h        linear_bf16_packed(_silu) over weights packed for vdpbf16ps (or AMX),
-//                      or 4/8-bit weights dequantized to bf16 per task
+//                      8-bit weights dequantized to bf16 per task, or bf16_nibbles.h's
 //   f32_gemm.h         the float32 GEMM's packing (float32 or 4/8-bit weights) and tiles
 //   a8_gemm.h          4/8-bit weights times rows of x quantized to int8 (AVX2)
 //   f32_linear.h       linear_f32_packed(_add), over any of the two above's weights
@@ -32,6 +33,7 @@
 #include "a8_gemm.h"
 #include "bf16_amx.h"
 #include "bf16_gemm.h"
+#include "bf16_nibbles.h"
 #include "bf16_rows.h"
 #include "common.h"
 #include "decoder_step.h"
@@ -76,6 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_int8_dot") = kHasInt8Dot;
 #ifdef TOKENMILL_HAS_BF16_GEMM
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 weight in linear_bf16_packed's layout");
+  m.def("pack_bf16_nibbles", &pack_bf16_nibbles,
+        "a 4-bit weight (groups of 32) for linear_bf16_packed, its nibbles read as bf16 16 + q");
   m.def("linear_bf16_packed", &linear_bf16_packed,
         "bf16 linear over a packed weight, any number of rows (AVX512-BF16; amx: on AMX tiles)",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("amx") = false,

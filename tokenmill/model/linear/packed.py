@@ -2,7 +2,7 @@
 also 4/8-bit weights kept in their bits and, in ``csrc/a8_gemm.h``'s layout, multiplied with
 int8 rows of x) and bf16 (``csrc/bf16_gemm.h``, with SiLU·mul in the epilogue for gate/up; on
 vdpbf16ps, from some rows by float32 FMAs with the same bits, or the same packing on AMX tiles;
-and 4/8-bit weights in float32's packing, dequantized to bf16 per task: ``Bf16Blocks``).
+and 4/8-bit weights kept in their bits: ``Bf16Blocks``).
 Each ``build`` returns None for a weight its kernel cannot take (a size, a format); the loader
 then tries the plan's next kernel."""
 
@@ -192,13 +192,15 @@ def _blocks_ready(qw: QuantWeight, ops) -> bool:
 
 class Bf16Blocks(Bf16Packed):
     """A 4/8-bit weight in groups of 32 (a GGUF's Q4_0 / Q4_1 / Q8_0 blocks under
-    ``--quantization auto``, or int4 / int8) multiplied by the packed bf16 GEMM: kept in
-    float32's packing of those bits (``pack_f32_quant_weight``), each task's column blocks
-    dequantized into a bf16 panel (csrc/bf16_gemm.h's QuantPanel), every weight rounded to bf16
-    as a bf16 model read from the same blocks holds it. The products are that bf16 model's, bit
-    for bit (by vdpbf16ps, or float32 FMAs from ``widen_from`` rows), so the quantized weights
-    change no output of the default dtype; a step reads 0.75 (4 bits) or 1.125 (8 bits) bytes
-    per weight instead of 2, and x stays bf16 (no int8 activations)."""
+    ``--quantization auto``, or int4 / int8) multiplied by the packed bf16 GEMM, x staying bf16
+    (no int8 activations). 4 bits (``pack_bf16_nibbles``, csrc/bf16_nibbles.h): vdpbf16ps reads
+    each nibble q as the bf16 number 16 + q, and each group's sums are scaled in float32 -- the
+    blocks' weights summed without rounding each to bf16, in one order per row at every row
+    count, by vdpbf16ps or float32 FMAs from ``widen_from`` rows alike. 8 bits
+    (``pack_f32_quant_weight``, csrc/bf16_gemm.h's QuantPanel): each task's column blocks
+    dequantized to bf16 as a bf16 model read from the same blocks holds them, so the products
+    are that bf16 model's, bit for bit. A step reads 0.75 (4 bits) or 1.125 (8 bits) bytes per
+    weight instead of 2."""
 
     family = "bf16-blocks"
 
@@ -211,8 +213,8 @@ class Bf16Blocks(Bf16Packed):
                         ops) -> Bf16Blocks | None:
         if not _blocks_ready(qw, ops):
             return None
-        packed = ops.pack_f32_quant_weight(qw.qweight, qw.scales, qw.zeros, qw.bits,
-                                           qw.group_size)
+        pack = ops.pack_bf16_nibbles if qw.bits == 4 else ops.pack_f32_quant_weight
+        packed = pack(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group_size)
         return cls(packed, bias, ops, qw.kind)
 
     @property
