@@ -131,8 +131,12 @@ inline void gemm_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t
 
 // The row kernels of packed_gemm: `rows` rows of x (stride xs) times NB column blocks at w
 // into a float32 scratch of row stride 32; with `prefetch`, the NB blocks after them are
-// brought into L2 meanwhile. One object per thread and call.
+// brought into L2 meanwhile. One object per thread and call; prepare(x, xs, rows, k_len) runs
+// once per call on the calling thread before them, and each object's begin(prepared, x, xs)
+// before its first run.
 struct DotRows {  // vdpbf16ps, above
+  static const float* prepare(const uint16_t*, int64_t, int64_t, int64_t) { return nullptr; }
+  void begin(const float*, const uint16_t*, int64_t) {}
   template <int NB>
   void run(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len, const uint16_t* w,
            int64_t block_stride, float* out, bool prefetch) {
@@ -146,26 +150,55 @@ struct DotRows {  // vdpbf16ps, above
 // input's product and then the even one's, each as one FMA rounded to nearest, denormal inputs
 // read as zero and denormal results flushed (the instruction's definition). WidenRows widens
 // the NB column blocks of a task into a float32 panel (per pair: the odd inputs' 16 weights,
-// then the even ones') and the rows of x into float32 once per call, then runs the two FMAs per
+// then the even ones') and every row of x into float32 once per call (prepare), then runs the
+// two FMAs per
 // pair in that order with MXCSR's DAZ and FTZ set. Where vdpbf16ps issues at half the rate of
 // the FMA units (a Xeon with AVX512-BF16 but no AMX exposed: float32's packed GEMM took 143 ms
 // for every linear at 128 rows against bf16's 213), prompt rows go through it from the rows the
 // load's trial picks (model/linear/routed.py) without changing a bit.
 class WidenRows {
  public:
+  // every row of x as float32, each 2 * pairs long (an odd K's last pair ends in zero), in the
+  // calling thread's buffer, which every thread of the call then reads
+  static const float* prepare(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len) {
+    const int64_t pairs = (k_len + 1) / 2;
+    std::vector<float>& xf = buffer(kRows);
+    if (xf.size() < static_cast<size_t>(rows * 2 * pairs)) xf.resize(rows * 2 * pairs);
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const uint16_t* src = x + r * xs;
+        float* dst = xf.data() + r * 2 * pairs;
+        int64_t i = 0;
+        for (; i + 16 <= k_len; i += 16)
+          Vec::load(reinterpret_cast<const at::BFloat16*>(src + i)).store(dst + i);
+        for (; i < k_len; ++i) dst[i] = bits_to_float(static_cast<uint32_t>(src[i]) << 16);
+        if (k_len % 2) dst[k_len] = 0.0f;
+      }
+    });
+    return xf.data();
+  }
+  void begin(const float* prepared, const uint16_t* x, int64_t xs) {
+    xf_ = prepared, x_of_ = x, xs_ = xs;
+  }
+
   template <int NB>
   void run(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len, const uint16_t* w,
            int64_t block_stride, float* out, bool /*prefetch*/) {
     const int64_t pairs = (k_len + 1) / 2;
     if (w != panel_of_ || NB != panel_nb_) widen_panel<NB>(w, block_stride, pairs);
-    if (x != x_of_ || rows != x_rows_) widen_rows(x, xs, rows, k_len, pairs);
-    const float* xf = buffer(kRows).data();
+    const float* xf = xf_ + (x - x_of_) / xs_ * 2 * pairs;  // x's rows among the call's
     const float* panel = buffer(kPanel).data();
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);  // FTZ, DAZ
-    for (int64_t r = 0; r < rows; r += 8) {
-      const int64_t n = std::min<int64_t>(8, rows - r);
-      kTiles<NB>[n](xf + r * 2 * pairs, 2 * pairs, pairs, panel, out + r * 32);
+    for (int64_t r = 0; r < rows; r += 16) {
+      const int64_t n = std::min<int64_t>(16, rows - r);
+      if (n <= 8) {
+        kTiles<NB>[n](xf + r * 2 * pairs, 2 * pairs, pairs, panel, out + r * 32);
+        continue;
+      }
+      for (int b = 0; b < NB; ++b)  // a block at a time: each widened weight for 9-16 rows
+        kTiles<1>[n](xf + r * 2 * pairs, 2 * pairs, pairs, panel + b * pairs * 32,
+                     out + r * 32 + b * 16);
     }
     _mm_setcsr(csr);
   }
@@ -188,23 +221,6 @@ class WidenRows {
       }
     panel_of_ = w;
     panel_nb_ = NB;
-  }
-
-  // the rows of x as float32, each 2 * pairs long (an odd K's last pair ends in zero)
-  void widen_rows(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len, int64_t pairs) {
-    std::vector<float>& xf = buffer(kRows);
-    if (xf.size() < static_cast<size_t>(rows * 2 * pairs)) xf.resize(rows * 2 * pairs);
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* src = x + r * xs;
-      float* dst = xf.data() + r * 2 * pairs;
-      int64_t i = 0;
-      for (; i + 16 <= k_len; i += 16)
-        Vec::load(reinterpret_cast<const at::BFloat16*>(src + i)).store(dst + i);
-      for (; i < k_len; ++i) dst[i] = bits_to_float(static_cast<uint32_t>(src[i]) << 16);
-      if (k_len % 2) dst[k_len] = 0.0f;
-    }
-    x_of_ = x;
-    x_rows_ = rows;
   }
 
   // ROWS rows of widened x (stride xs floats) times the panel's NB blocks into out (stride 32)
@@ -231,13 +247,14 @@ class WidenRows {
   }
 
   using Tile = void (*)(const float*, int64_t, int64_t, const float*, float*);
-  template <int NB>
-  static constexpr Tile kTiles[9] = {nullptr, tile<1, NB>, tile<2, NB>, tile<3, NB>,
-                                     tile<4, NB>, tile<5, NB>, tile<6, NB>, tile<7, NB>,
-                                     tile<8, NB>};
+  template <int NB>  // up to 8 rows of NB blocks, up to 16 of one
+  static constexpr Tile kTiles[17] = {
+      nullptr,      tile<1, NB>,  tile<2, NB>,  tile<3, NB>,  tile<4, NB>,  tile<5, NB>,
+      tile<6, NB>,  tile<7, NB>,  tile<8, NB>,  tile<9, 1>,   tile<10, 1>,  tile<11, 1>,
+      tile<12, 1>,  tile<13, 1>,  tile<14, 1>,  tile<15, 1>,  tile<16, 1>};
 
-  // the panel and the widened rows, kept by each thread from call to call (no allocation and
-  // no page faults per call); what they hold is valid for this object's call only
+  // a worker's panel and the calling thread's widened rows, kept from call to call (no
+  // allocation and no page faults per call); what they hold is valid for one call only
   enum Buffer { kPanel, kRows };
   static std::vector<float>& buffer(Buffer which) {
     thread_local std::vector<float> buffers[2];
@@ -245,8 +262,9 @@ class WidenRows {
   }
   const uint16_t* panel_of_ = nullptr;  // the blocks the panel holds (and how many)
   int panel_nb_ = 0;
-  const uint16_t* x_of_ = nullptr;  // the rows the widened rows are (and how many)
-  int64_t x_rows_ = 0;
+  const float* xf_ = nullptr;  // the call's rows widened (prepare), of x_of_'s (stride xs_)
+  const uint16_t* x_of_ = nullptr;
+  int64_t xs_ = 0;
 };
 
 // Where a task's column blocks come from (packed_gemm's Source): PackedPanel, the packed bf16
@@ -365,10 +383,12 @@ void packed_gemm(const at::Tensor& x, const Source& src, int64_t blocks,
   const int64_t rows = x.size(0), k_len = x.size(1);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int64_t xs = x.stride(0);
+  const float* prepared = Rows::prepare(xp, xs, rows, k_len);
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     constexpr int64_t kRowChunk = 64;  // rows per float32 scratch pass
     std::vector<float> scratch(kRowChunk * 32);
     Rows kernel;
+    kernel.begin(prepared, xp, xs);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;
       const int nb = b0 + 1 < blocks ? 2 : 1;

@@ -219,6 +219,16 @@ void nibble_rows(const NibbleRows& in, int64_t rows, const uint8_t* const* rec,
   _mm_setcsr(csr);
 }
 
+// the widened rows of x and their group sums (kept by the calling thread) and a task's panel
+// (by each worker), from call to call: no allocation and no page faults per call; what they
+// hold is valid for one call only
+enum NibbleBuffer { kNibbleRowsF32, kNibbleSums, kNibblePanel };
+inline float* nibble_buffer(NibbleBuffer which, size_t size) {
+  thread_local std::vector<float> buffers[3];
+  if (buffers[which].size() < size) buffers[which].resize(size);
+  return buffers[which].data();
+}
+
 // x W^T over a weight packed by pack_bf16_nibbles, task by task (a pair of column blocks, a
 // trailing odd block alone), every row in tiles of up to kNibbleTileRows rows; from
 // widen_from rows (> 0) as float32 FMAs over a panel. epilogue(row, acc, b0, nb) and
@@ -232,7 +242,8 @@ void nibble_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t widen_fr
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const bool wide = widen_from > 0 && rows >= widen_from;
   // each row's x as float32 (for the FMAs) and its sum per group, once per call
-  std::vector<float> xf(wide ? rows * k_len : 0), sums(rows * groups);
+  float* const xf = wide ? nibble_buffer(kNibbleRowsF32, rows * k_len) : nullptr;
+  float* const sums = nibble_buffer(kNibbleSums, rows * groups);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t g = 0; g < groups; ++g) {
@@ -240,21 +251,21 @@ void nibble_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t widen_fr
         const Vec lo = Vec::load(src), hi = Vec::load(src + 16);
         sums[r * groups + g] = _mm512_reduce_add_ps(Vec::add(lo, hi).v);
         if (wide) {
-          lo.store(xf.data() + r * k_len + g * kF32QGroup);
-          hi.store(xf.data() + r * k_len + g * kF32QGroup + 16);
+          lo.store(xf + r * k_len + g * kF32QGroup);
+          hi.store(xf + r * k_len + g * kF32QGroup + 16);
         }
       }
   });
-  const NibbleRows in_all{xp, xf.data(), wide ? k_len : xs, sums.data(), groups};
+  const NibbleRows in_all{xp, xf, wide ? k_len : xs, sums, groups};
   const uint8_t* q = packed.data_ptr<uint8_t>();
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     float scratch[kNibbleTileRows * 32];
-    std::vector<float> panel(wide ? 2 * groups * 512 : 0);
+    float* const panel = wide ? nibble_buffer(kNibblePanel, 2 * groups * 512) : nullptr;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;
       const int nb = b0 + 1 < blocks ? 2 : 1;
       const uint8_t* rec[2] = {q + b0 * block_bytes, q + (b0 + nb - 1) * block_bytes};
-      if (wide) widen_nibbles(rec, nb, groups, panel.data());
+      if (wide) widen_nibbles(rec, nb, groups, panel);
       for (int64_t r0 = 0; r0 < rows; r0 += kNibbleTileRows) {
         const int64_t rr = std::min(kNibbleTileRows, rows - r0);
         for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
@@ -263,11 +274,11 @@ void nibble_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t widen_fr
         in.xf += wide ? r0 * k_len : 0;
         in.sums += r0 * groups;
         if (nb == 2 && rr <= kNibbleTileRows / 2) {  // both blocks: each row read once
-          wide ? nibble_rows<true, 2>(in, rr, rec, panel.data(), scratch)
+          wide ? nibble_rows<true, 2>(in, rr, rec, panel, scratch)
                : nibble_rows<false, 2>(in, rr, rec, nullptr, scratch);
         } else {  // a block at a time: 9-16 rows of sums per weight dequantized
           for (int b = 0; b < nb; ++b)
-            wide ? nibble_rows<true, 1>(in, rr, rec + b, panel.data() + b * groups * 512,
+            wide ? nibble_rows<true, 1>(in, rr, rec + b, panel + b * groups * 512,
                                         scratch + b * 16)
                  : nibble_rows<false, 1>(in, rr, rec + b, nullptr, scratch + b * 16);
         }
