@@ -38,7 +38,7 @@ class AmxRows {
     if (config_ != 0) _tile_release();
   }
   static const float* prepare(const uint16_t*, int64_t, int64_t, int64_t) { return nullptr; }
-  void begin(const float*, const uint16_t*, int64_t) {}
+  void begin(const float*, const uint16_t*, int64_t, int64_t) {}
   void forget() {}
   static constexpr bool kAmxOrder = true;  // sums in an order of AMX's own
 

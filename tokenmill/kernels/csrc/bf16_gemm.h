@@ -132,11 +132,11 @@ inline void gemm_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t
 // The row kernels of packed_gemm: `rows` rows of x (stride xs) times NB column blocks at w
 // into a float32 scratch of row stride 32; with `prefetch`, the NB blocks after them are
 // brought into L2 meanwhile. One object per thread and call; prepare(x, xs, rows, k_len) runs
-// once per call on the calling thread before them, and each object's begin(prepared, x, xs)
-// before its first run.
+// once per call on the calling thread before them, and each object's begin(prepared, x, xs,
+// rows) before its first run.
 struct DotRows {  // vdpbf16ps, above
   static const float* prepare(const uint16_t*, int64_t, int64_t, int64_t) { return nullptr; }
-  void begin(const float*, const uint16_t*, int64_t) {}
+  void begin(const float*, const uint16_t*, int64_t, int64_t) {}
   template <int NB>
   void run(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len, const uint16_t* w,
            int64_t block_stride, float* out, bool prefetch) {
@@ -149,13 +149,14 @@ struct DotRows {  // vdpbf16ps, above
 // The same sums as DotRows, bit for bit, by float32 FMAs: vdpbf16ps adds, per lane, the odd
 // input's product and then the even one's, each as one FMA rounded to nearest, denormal inputs
 // read as zero and denormal results flushed (the instruction's definition). WidenRows widens
-// the NB column blocks of a task into a float32 panel (per pair: the odd inputs' 16 weights,
-// then the even ones') and every row of x into float32 once per call (prepare), then runs the
-// two FMAs per
-// pair in that order with MXCSR's DAZ and FTZ set. Where vdpbf16ps issues at half the rate of
-// the FMA units (a Xeon with AVX512-BF16 but no AMX exposed: float32's packed GEMM took 143 ms
-// for every linear at 128 rows against bf16's 213), prompt rows go through it from the rows the
-// load's trial picks (model/linear/routed.py) without changing a bit.
+// every row of x into float32 once per call (prepare) and each pair of weights in registers
+// (the odd inputs' 16 weights, then the even ones': an AND and a shift per 32 weights) or, for
+// many rows, once per task into a panel (kRegisterRows), then runs the two FMAs per pair in
+// that order with MXCSR's DAZ and FTZ set. Where vdpbf16ps
+// issues at half the rate of the FMA units (a Xeon with AVX512-BF16 but no AMX exposed:
+// float32's packed GEMM took 143 ms for every linear at 128 rows against bf16's 213), prompt
+// rows go through it from the rows the load's trial picks (model/linear/routed.py) without
+// changing a bit.
 class WidenRows {
  public:
   // every row of x as float32, each 2 * pairs long (an odd K's last pair ends in zero), in the
@@ -177,28 +178,22 @@ class WidenRows {
     });
     return xf.data();
   }
-  void begin(const float* prepared, const uint16_t* x, int64_t xs) {
-    xf_ = prepared, x_of_ = x, xs_ = xs;
+  void begin(const float* prepared, const uint16_t* x, int64_t xs, int64_t rows) {
+    xf_ = prepared, x_of_ = x, xs_ = xs, use_panel_ = rows > kRegisterRows;
   }
 
   template <int NB>
   void run(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len, const uint16_t* w,
-           int64_t block_stride, float* out, bool /*prefetch*/) {
+           int64_t block_stride, float* out, bool prefetch) {
     const int64_t pairs = (k_len + 1) / 2;
-    if (w != panel_of_ || NB != panel_nb_) widen_panel<NB>(w, block_stride, pairs);
     const float* xf = xf_ + (x - x_of_) / xs_ * 2 * pairs;  // x's rows among the call's
-    const float* panel = buffer(kPanel).data();
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);  // FTZ, DAZ
-    for (int64_t r = 0; r < rows; r += 16) {
-      const int64_t n = std::min<int64_t>(16, rows - r);
-      if (n <= 8) {
-        kTiles<NB>[n](xf + r * 2 * pairs, 2 * pairs, pairs, panel, out + r * 32);
-        continue;
-      }
-      for (int b = 0; b < NB; ++b)  // a block at a time: each widened weight for 9-16 rows
-        kTiles<1>[n](xf + r * 2 * pairs, 2 * pairs, pairs, panel + b * pairs * 32,
-                     out + r * 32 + b * 16);
+    if (use_panel_) {
+      if (w != panel_of_ || NB != panel_nb_) widen_panel<NB>(w, block_stride, pairs);
+      rows_of<true, NB>(xf, rows, pairs, buffer(kPanel).data(), pairs * 32, out, false);
+    } else {
+      rows_of<false, NB>(xf, rows, pairs, w, block_stride, out, prefetch);
     }
     _mm_setcsr(csr);
   }
@@ -207,6 +202,31 @@ class WidenRows {
   static constexpr bool kAmxOrder = false;  // vdpbf16ps's sums
 
  private:
+  // Calls of more rows widen each task's weights once into a panel that their row tiles share;
+  // fewer rows widen them in registers, as they are loaded (an AND and a shift per 32 weights),
+  // which saves the panel's stores and loads: every linear of a decode step of the default
+  // model (2-core Xeon) 16 rows 25.6 -> 20.9 ms, 32 rows 39.0 -> 35.8; from 128 rows the panel
+  // is 4-7% ahead.
+  static constexpr int64_t kRegisterRows = 32;
+
+  // every row of widened x in tiles of up to 8 rows of NB blocks or 9-16 rows of one
+  template <bool kPanel, int NB, typename W>
+  void rows_of(const float* xf, int64_t rows, int64_t pairs, const W* w, int64_t block_stride,
+               float* out, bool prefetch) {
+    for (int64_t r = 0; r < rows; r += 16) {
+      const int64_t n = std::min<int64_t>(16, rows - r);
+      const bool first = prefetch && r == 0;
+      if (n <= 8) {
+        kTiles<kPanel, NB>[n](xf + r * 2 * pairs, 2 * pairs, pairs, w, block_stride,
+                              out + r * 32, first);
+        continue;
+      }
+      for (int b = 0; b < NB; ++b)  // a block at a time: each weight widened for 9-16 rows
+        kTiles<kPanel, 1>[n](xf + r * 2 * pairs, 2 * pairs, pairs, w + b * block_stride,
+                             block_stride, out + r * 32 + b * 16, first && b == 0);
+    }
+  }
+
   template <int NB>
   void widen_panel(const uint16_t* w, int64_t block_stride, int64_t pairs) {
     std::vector<float>& panel = buffer(kPanel);
@@ -223,17 +243,32 @@ class WidenRows {
     panel_nb_ = NB;
   }
 
-  // ROWS rows of widened x (stride xs floats) times the panel's NB blocks into out (stride 32)
-  template <int ROWS, int NB>
-  static void tile(const float* x, int64_t xs, int64_t pairs, const float* panel, float* out) {
+  // ROWS rows of widened x (stride xs floats) times NB column blocks into out (stride 32): the
+  // panel's (kPanel; per pair the odd inputs' 16 weights, then the even ones', blocks
+  // block_stride floats apart) or the packed bf16 blocks at w, each pair widened in registers
+  // (with `prefetch`, the blocks after them are brought into L2 meanwhile)
+  template <bool kPanel, int ROWS, int NB>
+  static void tile(const float* x, int64_t xs, int64_t pairs,
+                   const std::conditional_t<kPanel, float, uint16_t>* w, int64_t block_stride,
+                   float* out, bool prefetch) {
     __m512 acc[ROWS][NB];
     for (int r = 0; r < ROWS; ++r)
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
     for (int64_t p = 0; p < pairs; ++p) {
       __m512 wo[NB], we[NB];
       for (int b = 0; b < NB; ++b) {
-        wo[b] = _mm512_loadu_ps(panel + (b * pairs + p) * 32);
-        we[b] = _mm512_loadu_ps(panel + (b * pairs + p) * 32 + 16);
+        if constexpr (kPanel) {
+          wo[b] = _mm512_loadu_ps(w + b * block_stride + p * 32);
+          we[b] = _mm512_loadu_ps(w + b * block_stride + p * 32 + 16);
+        } else {
+          if (prefetch)  // past the weight's end at its last blocks: prefetches never fault
+            _mm_prefetch(reinterpret_cast<const char*>(w + (NB + b) * block_stride + p * 32),
+                         _MM_HINT_T1);
+          const __m512i v = _mm512_loadu_si512(w + b * block_stride + p * kPackCols * 2);
+          wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+          we[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        }
       }
       for (int r = 0; r < ROWS; ++r) {
         const __m512 xo = _mm512_set1_ps(x[r * xs + 2 * p + 1]);
@@ -246,25 +281,31 @@ class WidenRows {
       for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * 32 + b * 16, acc[r][b]);
   }
 
-  using Tile = void (*)(const float*, int64_t, int64_t, const float*, float*);
-  template <int NB>  // up to 8 rows of NB blocks, up to 16 of one
-  static constexpr Tile kTiles[17] = {
-      nullptr,      tile<1, NB>,  tile<2, NB>,  tile<3, NB>,  tile<4, NB>,  tile<5, NB>,
-      tile<6, NB>,  tile<7, NB>,  tile<8, NB>,  tile<9, 1>,   tile<10, 1>,  tile<11, 1>,
-      tile<12, 1>,  tile<13, 1>,  tile<14, 1>,  tile<15, 1>,  tile<16, 1>};
+  template <bool kPanel>
+  using Tile = void (*)(const float*, int64_t, int64_t,
+                        const std::conditional_t<kPanel, float, uint16_t>*, int64_t, float*,
+                        bool);
+  template <bool kPanel, int NB>  // up to 8 rows of NB blocks, up to 16 of one
+  static constexpr Tile<kPanel> kTiles[17] = {
+      nullptr,
+      tile<kPanel, 1, NB>,  tile<kPanel, 2, NB>,  tile<kPanel, 3, NB>,  tile<kPanel, 4, NB>,
+      tile<kPanel, 5, NB>,  tile<kPanel, 6, NB>,  tile<kPanel, 7, NB>,  tile<kPanel, 8, NB>,
+      tile<kPanel, 9, 1>,   tile<kPanel, 10, 1>,  tile<kPanel, 11, 1>,  tile<kPanel, 12, 1>,
+      tile<kPanel, 13, 1>,  tile<kPanel, 14, 1>,  tile<kPanel, 15, 1>,  tile<kPanel, 16, 1>};
 
-  // a worker's panel and the calling thread's widened rows, kept from call to call (no
+  // the calling thread's widened rows and a worker's panel, kept from call to call (no
   // allocation and no page faults per call); what they hold is valid for one call only
-  enum Buffer { kPanel, kRows };
+  enum Buffer { kRows, kPanel };
   static std::vector<float>& buffer(Buffer which) {
     thread_local std::vector<float> buffers[2];
     return buffers[which];
   }
-  const uint16_t* panel_of_ = nullptr;  // the blocks the panel holds (and how many)
-  int panel_nb_ = 0;
   const float* xf_ = nullptr;  // the call's rows widened (prepare), of x_of_'s (stride xs_)
   const uint16_t* x_of_ = nullptr;
   int64_t xs_ = 0;
+  bool use_panel_ = false;  // the call's rows > kRegisterRows
+  const uint16_t* panel_of_ = nullptr;  // the blocks the panel holds (and how many)
+  int panel_nb_ = 0;
 };
 
 // Where a task's column blocks come from (packed_gemm's Source): PackedPanel, the packed bf16
@@ -388,7 +429,7 @@ void packed_gemm(const at::Tensor& x, const Source& src, int64_t blocks,
     constexpr int64_t kRowChunk = 64;  // rows per float32 scratch pass
     std::vector<float> scratch(kRowChunk * 32);
     Rows kernel;
-    kernel.begin(prepared, xp, xs);
+    kernel.begin(prepared, xp, xs, rows);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;
       const int nb = b0 + 1 < blocks ? 2 : 1;

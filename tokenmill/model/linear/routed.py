@@ -105,8 +105,8 @@ def time_two_ways(kernels: list, widths: list[int], dtype: torch.dtype, first: C
 # Rows at which the loader times vdpbf16ps against WidenRows' float32 FMAs (csrc/bf16_gemm.h;
 # the same bits) for packed bf16 weights, and how much faster the FMAs must be to take a row
 # count and every larger one: on a 2-core Xeon with AVX512-BF16 and no AMX exposed, the default
-# model's linears ran 1.2-1.5x faster on them from 32 rows, at par at 16, slower below
-WIDEN_TRIAL_ROWS = (16, 32, 64, 128, 256, 512)
+# model's bf16 linears ran 1.1-1.5x faster on them from 4 rows, at par at 2, slower at 1
+WIDEN_TRIAL_ROWS = (4, 8, 16, 32, 64, 128, 256, 512)
 WIDEN_MARGIN = 1.05
 
 
