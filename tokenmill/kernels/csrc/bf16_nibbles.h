@@ -12,8 +12,8 @@
 // which is x times d * q + m, the weights the blocks stand for, summed in float32 without
 // rounding the weights to bf16: not the sums of a bf16 model read from the blocks, but one
 // order per row and feature whatever the batch (the same tile for every row count; from
-// widen_from rows the pair steps run as float32 FMAs over (16 + q) widened in a panel, the
-// products vdpbf16ps's, bit for bit). Packed layout, per column block of 16 features:
+// widen_from rows the pair steps run as float32 FMAs over 16 + q, widened in registers or, from
+// 33 rows, in a panel per task: the products vdpbf16ps's, bit for bit). Packed layout, per column block of 16 features:
 //
 //   [N / 16 column blocks][K / 32 groups][record: 6 x 64 bytes]
 //   record: 16 float32 scales d, 16 float32 (m - 16 d), then 4 vectors of 64 bytes; vector j
@@ -21,10 +21,11 @@
 //           word has feature L's q[2s] in bits 4t .. 4t + 3 and q[2s + 1] in bits
 //           16 + 4t .. 19 + 4t, t = s - 4j
 //
-// 0.75 bytes per weight, as pack_f32_quant_weight's 4 bits. Every linear of a decode step of
-// the default model's shape (106M 4-bit weights, 2-core Xeon with AVX512-BF16, no AMX): 1 row
-// 3.9 ms against 7.4 dequantized to bf16 and 7.9 for bf16 weights; 4 rows 7.8 / 9.9 / 11.5;
-// 8 rows 12.7 / 14.8 / 10.9; 128 rows 1.06x the bf16 weights' vdpbf16ps.
+// 0.75 bytes per weight, as pack_f32_quant_weight's 4 bits. The default model's 120 4-bit
+// linears against the same shapes in bf16, each way at its best (2-core Xeon, AVX512-BF16, no
+// AMX; vdpbf16ps at 1-2 rows, float32 FMAs from 4): 1 row 4.6 / 8.0 ms, 4 rows 7.2 / 9.1, 8 rows
+// 9.7 / 9.6, 16 rows 16.4 / 20.5, 32 rows 30.3 / 35.7 (dequantized to bf16 as the 8-bit
+// blocks are: 1 row 6.8, 8 rows 15.6).
 
 #pragma once
 
@@ -41,6 +42,7 @@ namespace {
 constexpr int64_t kNibbleCols = 16;  // features per column block (one zmm of float32)
 constexpr int64_t kNibbleVectors = 6;  // 64-byte vectors per record: d, m - 16 d, 4 of q
 constexpr int64_t kNibbleTileRows = 16;  // rows per tile (one column block from 9 rows)
+constexpr int64_t kNibbleRegisterRows = 32;  // FMAs: up to this many rows without a panel
 
 // Whether `packed` is pack_bf16_nibbles' layout
 bool is_nibble_pack(const at::Tensor& packed) {
@@ -110,8 +112,7 @@ inline void nibble_floats(__m512i z, __m512& even, __m512& odd) {
   odd = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(o, mask, sixteen, 0xEA));
 }
 
-// Where a tile's rows come from: bf16 x for vdpbf16ps (kWide false) or x widened to float32
-// (kWide) with the task's weights widened to float32 (16 + q) in a panel
+// Where a tile's rows come from: bf16 x for vdpbf16ps, or x widened to float32 for the FMAs
 struct NibbleRows {
   const uint16_t* x;  // bf16 rows (stride xs)
   const float* xf;  // or float32 rows (stride xs)
@@ -120,12 +121,17 @@ struct NibbleRows {
   int64_t groups;
 };
 
+// How a tile's pair steps run: vdpbf16ps over bf16 16 + q; float32 FMAs over a panel of
+// 16 + q widened once per task (for many rows); or FMAs with 16 + q widened in registers as
+// the nibbles are loaded (fewer rows: no panel to store and read back)
+enum class NibbleWay { kDot, kPanel, kRegisters };
+
 // ROWS rows times NB column blocks (records at rec[b], or their panel: 512 floats per group,
 // per pair step the odd inputs' 16 weights then the even ones') into out (stride 32): per
 // group the pair steps' sums S, then out = fma(S, d, out) and fma(m - 16 d, X, out), with
 // MXCSR's DAZ and FTZ set by the caller (nibble_rows): vdpbf16ps's own rules, so the FMAs
 // give its bits.
-template <bool kWide, int ROWS, int NB>
+template <NibbleWay kWay, int ROWS, int NB>
 void nibble_tile(const NibbleRows& in, const uint8_t* const* rec, const float* panel,
                  float* out) {
   for (int r = 0; r < ROWS; ++r)
@@ -139,17 +145,21 @@ void nibble_tile(const NibbleRows& in, const uint8_t* const* rec, const float* p
     for (int b = 0; b < NB; ++b) gr[b] = rec[b] + g * kNibbleVectors * 64;
     for (int j = 0; j < 4; ++j) {
       __m512i z[NB];
-      if constexpr (!kWide)
+      if constexpr (kWay != NibbleWay::kPanel)
         for (int b = 0; b < NB; ++b) z[b] = _mm512_loadu_si512(gr[b] + (2 + j) * 64);
       auto step = [&](auto t) {
         constexpr int T = decltype(t)::value;
         const int64_t k = g * kF32QGroup + 2 * (4 * j + T);
-        if constexpr (kWide) {
+        if constexpr (kWay != NibbleWay::kDot) {
           __m512 wo[NB], we[NB];
           for (int b = 0; b < NB; ++b) {
-            const float* p = panel + b * panel_stride + (g * 16 + 4 * j + T) * 32;
-            wo[b] = _mm512_loadu_ps(p);
-            we[b] = _mm512_loadu_ps(p + 16);
+            if constexpr (kWay == NibbleWay::kRegisters) {
+              nibble_floats<T>(z[b], we[b], wo[b]);
+            } else {
+              const float* p = panel + b * panel_stride + (g * 16 + 4 * j + T) * 32;
+              wo[b] = _mm512_loadu_ps(p);
+              we[b] = _mm512_loadu_ps(p + 16);
+            }
           }
           for (int r = 0; r < ROWS; ++r) {
             const __m512 xo = _mm512_set1_ps(in.xf[r * in.xs + k + 1]);
@@ -202,21 +212,34 @@ inline void widen_nibbles(const uint8_t* const* rec, int nb, int64_t groups, flo
 
 using NibbleTile = void (*)(const NibbleRows&, const uint8_t* const*, const float*, float*);
 
-template <bool kWide, int NB, int... R>
+template <NibbleWay kWay, int NB, int... R>
 constexpr std::array<NibbleTile, sizeof...(R)> nibble_tiles(std::integer_sequence<int, R...>) {
-  return {nibble_tile<kWide, R + 1, NB>...};
+  return {nibble_tile<kWay, R + 1, NB>...};
 }
 
-// nibble_tile<kWide, ROWS, NB> for 1 <= rows <= kNibbleTileRows / NB at run time
-template <bool kWide, int NB>
+// nibble_tile<kWay, ROWS, NB> for 1 <= rows <= kNibbleTileRows / NB at run time
+template <NibbleWay kWay, int NB>
 void nibble_rows(const NibbleRows& in, int64_t rows, const uint8_t* const* rec,
                  const float* panel, float* out) {
   static constexpr auto kTiles =
-      nibble_tiles<kWide, NB>(std::make_integer_sequence<int, kNibbleTileRows / NB>{});
+      nibble_tiles<kWay, NB>(std::make_integer_sequence<int, kNibbleTileRows / NB>{});
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(csr | 0x8040);  // FTZ, DAZ: vdpbf16ps's rules for every FMA of the tile
   kTiles[rows - 1](in, rec, panel, out);
   _mm_setcsr(csr);
+}
+
+// a task's rows in tiles the way `way` runs them
+template <NibbleWay kWay>
+void nibble_task_rows(const NibbleRows& in, int64_t rows, const uint8_t* const* rec, int nb,
+                      const float* panel, int64_t groups, float* out) {
+  if (nb == 2 && rows <= kNibbleTileRows / 2) {  // both blocks: each row read once
+    nibble_rows<kWay, 2>(in, rows, rec, panel, out);
+    return;
+  }
+  for (int b = 0; b < nb; ++b)  // a block at a time: 9-16 rows of sums per weight dequantized
+    nibble_rows<kWay, 1>(in, rows, rec + b, panel ? panel + b * groups * 512 : nullptr,
+                         out + b * 16);
 }
 
 // the widened rows of x and their group sums (kept by the calling thread) and a task's panel
@@ -260,12 +283,15 @@ void nibble_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t widen_fr
   const uint8_t* q = packed.data_ptr<uint8_t>();
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     float scratch[kNibbleTileRows * 32];
-    float* const panel = wide ? nibble_buffer(kNibblePanel, 2 * groups * 512) : nullptr;
+    // more rows than kNibbleRegisterRows share a panel; fewer widen in registers
+    float* const panel = wide && rows > kNibbleRegisterRows
+                             ? nibble_buffer(kNibblePanel, 2 * groups * 512)
+                             : nullptr;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;
       const int nb = b0 + 1 < blocks ? 2 : 1;
       const uint8_t* rec[2] = {q + b0 * block_bytes, q + (b0 + nb - 1) * block_bytes};
-      if (wide) widen_nibbles(rec, nb, groups, panel);
+      if (panel) widen_nibbles(rec, nb, groups, panel);
       for (int64_t r0 = 0; r0 < rows; r0 += kNibbleTileRows) {
         const int64_t rr = std::min(kNibbleTileRows, rows - r0);
         for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
@@ -273,15 +299,12 @@ void nibble_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t widen_fr
         in.x += r0 * xs;
         in.xf += wide ? r0 * k_len : 0;
         in.sums += r0 * groups;
-        if (nb == 2 && rr <= kNibbleTileRows / 2) {  // both blocks: each row read once
-          wide ? nibble_rows<true, 2>(in, rr, rec, panel, scratch)
-               : nibble_rows<false, 2>(in, rr, rec, nullptr, scratch);
-        } else {  // a block at a time: 9-16 rows of sums per weight dequantized
-          for (int b = 0; b < nb; ++b)
-            wide ? nibble_rows<true, 1>(in, rr, rec + b, panel + b * groups * 512,
-                                        scratch + b * 16)
-                 : nibble_rows<false, 1>(in, rr, rec + b, nullptr, scratch + b * 16);
-        }
+        if (!wide)
+          nibble_task_rows<NibbleWay::kDot>(in, rr, rec, nb, nullptr, groups, scratch);
+        else if (panel)
+          nibble_task_rows<NibbleWay::kPanel>(in, rr, rec, nb, panel, groups, scratch);
+        else
+          nibble_task_rows<NibbleWay::kRegisters>(in, rr, rec, nb, nullptr, groups, scratch);
         for (int64_t r = 0; r < rr; ++r) epilogue(r0 + r, scratch + r * 32, b0, nb);
       }
     }
