@@ -13,7 +13,8 @@
 // rounding the weights to bf16: not the sums of a bf16 model read from the blocks, but one
 // order per row and feature whatever the batch (the same tile for every row count; from
 // widen_from rows the pair steps run as float32 FMAs over 16 + q, widened in registers or, from
-// 33 rows, in a panel per task: the products vdpbf16ps's, bit for bit). Packed layout, per column block of 16 features:
+// 33 rows, in a panel per task: the products vdpbf16ps's, bit for bit). Packed layout, per
+// column block of 16 features:
 //
 //   [N / 16 column blocks][K / 32 groups][record: 6 x 64 bytes]
 //   record: 16 float32 scales d, 16 float32 (m - 16 d), then 4 vectors of 64 bytes; vector j
