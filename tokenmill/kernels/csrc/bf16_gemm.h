@@ -152,11 +152,10 @@ struct DotRows {  // vdpbf16ps, above
 // every row of x into float32 once per call (prepare) and each pair of weights in registers
 // (the odd inputs' 16 weights, then the even ones': an AND and a shift per 32 weights) or, for
 // many rows, once per task into a panel (kRegisterRows), then runs the two FMAs per pair in
-// that order with MXCSR's DAZ and FTZ set. Where vdpbf16ps
-// issues at half the rate of the FMA units (a Xeon with AVX512-BF16 but no AMX exposed:
-// float32's packed GEMM took 143 ms for every linear at 128 rows against bf16's 213), prompt
-// rows go through it from the rows the load's trial picks (model/linear/routed.py) without
-// changing a bit.
+// that order with MXCSR's DAZ and FTZ set. Where vdpbf16ps issues at half the rate of the FMA
+// units (a Xeon with AVX512-BF16 but no AMX exposed: float32's packed GEMM took 143 ms for
+// every linear at 128 rows against bf16's 213), rows go through it from the rows the load's
+// trial picks (model/linear/routed.py) without changing a bit.
 class WidenRows {
  public:
   // every row of x as float32, each 2 * pairs long (an odd K's last pair ends in zero), in the
@@ -191,9 +190,11 @@ class WidenRows {
     _mm_setcsr(csr | 0x8040);  // FTZ, DAZ
     if (use_panel_) {
       if (w != panel_of_ || NB != panel_nb_) widen_panel<NB>(w, block_stride, pairs);
-      rows_of<true, NB>(xf, rows, pairs, buffer(kPanel).data(), pairs * 32, out, false);
-    } else {
-      rows_of<false, NB>(xf, rows, pairs, w, block_stride, out, prefetch);
+      const float* panel = buffer(kPanel).data();
+      rows_of<true, NB>(xf, rows, pairs, panel, pairs * 32, out, static_cast<float*>(nullptr));
+    } else {  // the first row tile brings the task's next blocks into L2 (see the top)
+      rows_of<false, NB>(xf, rows, pairs, w, block_stride, out,
+                         prefetch ? w + NB * block_stride : nullptr);
     }
     _mm_setcsr(csr);
   }
@@ -209,21 +210,23 @@ class WidenRows {
   // is 4-7% ahead.
   static constexpr int64_t kRegisterRows = 32;
 
-  // every row of widened x in tiles of up to 8 rows of NB blocks or 9-16 rows of one
+  // every row of widened x in tiles of up to 8 rows of NB blocks or 9-16 rows of one; the
+  // first tile prefetches the blocks at `next` (none: nullptr)
   template <bool kPanel, int NB, typename W>
   void rows_of(const float* xf, int64_t rows, int64_t pairs, const W* w, int64_t block_stride,
-               float* out, bool prefetch) {
+               float* out, const W* next) {
     for (int64_t r = 0; r < rows; r += 16) {
       const int64_t n = std::min<int64_t>(16, rows - r);
-      const bool first = prefetch && r == 0;
+      const W* fetch = r == 0 ? next : nullptr;
       if (n <= 8) {
         kTiles<kPanel, NB>[n](xf + r * 2 * pairs, 2 * pairs, pairs, w, block_stride,
-                              out + r * 32, first);
+                              out + r * 32, fetch);
         continue;
       }
       for (int b = 0; b < NB; ++b)  // a block at a time: each weight widened for 9-16 rows
         kTiles<kPanel, 1>[n](xf + r * 2 * pairs, 2 * pairs, pairs, w + b * block_stride,
-                             block_stride, out + r * 32 + b * 16, first && b == 0);
+                             block_stride, out + r * 32 + b * 16,
+                             fetch ? fetch + b * block_stride : nullptr);
     }
   }
 
@@ -246,11 +249,11 @@ class WidenRows {
   // ROWS rows of widened x (stride xs floats) times NB column blocks into out (stride 32): the
   // panel's (kPanel; per pair the odd inputs' 16 weights, then the even ones', blocks
   // block_stride floats apart) or the packed bf16 blocks at w, each pair widened in registers
-  // (with `prefetch`, the blocks after them are brought into L2 meanwhile)
+  // (the NB blocks at `next`, unless nullptr, brought into L2 meanwhile)
   template <bool kPanel, int ROWS, int NB>
   static void tile(const float* x, int64_t xs, int64_t pairs,
                    const std::conditional_t<kPanel, float, uint16_t>* w, int64_t block_stride,
-                   float* out, bool prefetch) {
+                   float* out, const std::conditional_t<kPanel, float, uint16_t>* next) {
     __m512 acc[ROWS][NB];
     for (int r = 0; r < ROWS; ++r)
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -262,8 +265,8 @@ class WidenRows {
           wo[b] = _mm512_loadu_ps(w + b * block_stride + p * 32);
           we[b] = _mm512_loadu_ps(w + b * block_stride + p * 32 + 16);
         } else {
-          if (prefetch)  // past the weight's end at its last blocks: prefetches never fault
-            _mm_prefetch(reinterpret_cast<const char*>(w + (NB + b) * block_stride + p * 32),
+          if (next)  // past the weight's end at its last blocks: prefetches never fault
+            _mm_prefetch(reinterpret_cast<const char*>(next + b * block_stride + p * 32),
                          _MM_HINT_T1);
           const __m512i v = _mm512_loadu_si512(w + b * block_stride + p * kPackCols * 2);
           wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
@@ -284,7 +287,7 @@ class WidenRows {
   template <bool kPanel>
   using Tile = void (*)(const float*, int64_t, int64_t,
                         const std::conditional_t<kPanel, float, uint16_t>*, int64_t, float*,
-                        bool);
+                        const std::conditional_t<kPanel, float, uint16_t>*);
   template <bool kPanel, int NB>  // up to 8 rows of NB blocks, up to 16 of one
   static constexpr Tile<kPanel> kTiles[17] = {
       nullptr,
