@@ -162,12 +162,11 @@ class WidenRows {
   // calling thread's buffer, which every thread of the call then reads
   static const float* prepare(const uint16_t* x, int64_t xs, int64_t rows, int64_t k_len) {
     const int64_t pairs = (k_len + 1) / 2;
-    std::vector<float>& xf = buffer(kRows);
-    if (xf.size() < static_cast<size_t>(rows * 2 * pairs)) xf.resize(rows * 2 * pairs);
+    float* const xf = thread_buffer<float, WidenRows, kRows>(rows * 2 * pairs);
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const uint16_t* src = x + r * xs;
-        float* dst = xf.data() + r * 2 * pairs;
+        float* dst = xf + r * 2 * pairs;
         int64_t i = 0;
         for (; i + 16 <= k_len; i += 16)
           Vec::load(reinterpret_cast<const at::BFloat16*>(src + i)).store(dst + i);
@@ -175,7 +174,7 @@ class WidenRows {
         if (k_len % 2) dst[k_len] = 0.0f;
       }
     });
-    return xf.data();
+    return xf;
   }
   void begin(const float* prepared, const uint16_t* x, int64_t xs, int64_t rows) {
     xf_ = prepared, x_of_ = x, xs_ = xs, use_panel_ = rows > kRegisterRows;
@@ -189,8 +188,8 @@ class WidenRows {
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);  // FTZ, DAZ
     if (use_panel_) {
-      if (w != panel_of_ || NB != panel_nb_) widen_panel<NB>(w, block_stride, pairs);
-      const float* panel = buffer(kPanel).data();
+      float* const panel = thread_buffer<float, WidenRows, kPanel>(NB * pairs * 32);
+      if (w != panel_of_ || NB != panel_nb_) widen_panel<NB>(w, block_stride, pairs, panel);
       rows_of<true, NB>(xf, rows, pairs, panel, pairs * 32, out, static_cast<float*>(nullptr));
     } else {  // the first row tile brings the task's next blocks into L2 (see the top)
       rows_of<false, NB>(xf, rows, pairs, w, block_stride, out,
@@ -231,14 +230,12 @@ class WidenRows {
   }
 
   template <int NB>
-  void widen_panel(const uint16_t* w, int64_t block_stride, int64_t pairs) {
-    std::vector<float>& panel = buffer(kPanel);
-    if (panel.size() < static_cast<size_t>(NB * pairs * 32)) panel.resize(NB * pairs * 32);
+  void widen_panel(const uint16_t* w, int64_t block_stride, int64_t pairs, float* panel) {
     const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
     for (int b = 0; b < NB; ++b)
       for (int64_t p = 0; p < pairs; ++p) {
         const __m512i v = _mm512_loadu_si512(w + b * block_stride + p * kPackCols * 2);
-        float* dst = panel.data() + (b * pairs + p) * 32;
+        float* dst = panel + (b * pairs + p) * 32;
         _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_and_si512(v, high)));  // odd
         _mm512_storeu_ps(dst + 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));  // even
       }
@@ -296,13 +293,8 @@ class WidenRows {
       tile<kPanel, 9, 1>,   tile<kPanel, 10, 1>,  tile<kPanel, 11, 1>,  tile<kPanel, 12, 1>,
       tile<kPanel, 13, 1>,  tile<kPanel, 14, 1>,  tile<kPanel, 15, 1>,  tile<kPanel, 16, 1>};
 
-  // the calling thread's widened rows and a worker's panel, kept from call to call (no
-  // allocation and no page faults per call); what they hold is valid for one call only
+  // thread_buffer slots: the calling thread's widened rows, a worker's panel
   enum Buffer { kRows, kPanel };
-  static std::vector<float>& buffer(Buffer which) {
-    thread_local std::vector<float> buffers[2];
-    return buffers[which];
-  }
   const float* xf_ = nullptr;  // the call's rows widened (prepare), of x_of_'s (stride xs_)
   const uint16_t* x_of_ = nullptr;
   int64_t xs_ = 0;
@@ -333,10 +325,9 @@ struct QuantPanel {
   int64_t stride;  // groups * 16 pairs * 32 bf16
 
   const uint16_t* blocks(int64_t b0, int nb) const {
-    thread_local std::vector<uint16_t> panel;
-    if (panel.size() < static_cast<size_t>(2 * stride)) panel.resize(2 * stride);
-    for (int b = 0; b < nb; ++b) dequantize(q + (b0 + b) * block_bytes, panel.data() + b * stride);
-    return panel.data();
+    uint16_t* const panel = thread_buffer<uint16_t, QuantPanel>(2 * stride);
+    for (int b = 0; b < nb; ++b) dequantize(q + (b0 + b) * block_bytes, panel + b * stride);
+    return panel;
   }
 
   // Up to kDirectRows rows of x times blocks b0 .. b0 + NB - 1 into out (row stride 32), each
@@ -395,7 +386,8 @@ struct QuantPanel {
   static __m512i pair(const uint8_t* rec, const Vec& s, const Vec& z, int64_t i,
                       const __m512i& pairs) {
     return _mm512_permutexvar_epi16(
-        pairs, (__m512i)_mm512_cvtne2ps_pbh(weight(rec, s, z, i + 1), weight(rec, s, z, i)));
+        pairs, (__m512i)_mm512_cvtne2ps_pbh(f32q_weights<8>(rec, s, z, i + 1).v,
+                                            f32q_weights<8>(rec, s, z, i).v));
   }
 
   // one column block, pair by pair, into dst in pack_bf16_weight's layout
@@ -407,11 +399,6 @@ struct QuantPanel {
       for (int64_t i = 0; i < kF32QGroup; i += 2, dst += kPackCols * 2)
         _mm512_storeu_si512(dst, pair(rec, s, z, i, pairs));
     }
-  }
-
-  // the 16 features' float32 weights at k = i of the group at `rec` (f32_gemm.h's widening)
-  static __m512 weight(const uint8_t* rec, const Vec& s, const Vec& z, int64_t i) {
-    return f32q_weights<8>(rec, s, z, i).v;
   }
 };
 

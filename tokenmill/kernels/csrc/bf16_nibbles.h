@@ -243,15 +243,9 @@ void nibble_task_rows(const NibbleRows& in, int64_t rows, const uint8_t* const* 
                          out + b * 16);
 }
 
-// the widened rows of x and their group sums (kept by the calling thread) and a task's panel
-// (by each worker), from call to call: no allocation and no page faults per call; what they
-// hold is valid for one call only
+// nibble_gemm's thread_buffer slots: the calling thread's widened rows of x and their group
+// sums, a worker's panel
 enum NibbleBuffer { kNibbleRowsF32, kNibbleSums, kNibblePanel };
-inline float* nibble_buffer(NibbleBuffer which, size_t size) {
-  thread_local std::vector<float> buffers[3];
-  if (buffers[which].size() < size) buffers[which].resize(size);
-  return buffers[which].data();
-}
 
 // x W^T over a weight packed by pack_bf16_nibbles, task by task (a pair of column blocks, a
 // trailing odd block alone), every row in tiles of up to kNibbleTileRows rows; from
@@ -266,8 +260,9 @@ void nibble_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t widen_fr
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const bool wide = widen_from > 0 && rows >= widen_from;
   // each row's x as float32 (for the FMAs) and its sum per group, once per call
-  float* const xf = wide ? nibble_buffer(kNibbleRowsF32, rows * k_len) : nullptr;
-  float* const sums = nibble_buffer(kNibbleSums, rows * groups);
+  float* const xf = wide ? thread_buffer<float, NibbleRows, kNibbleRowsF32>(rows * k_len)
+                         : nullptr;
+  float* const sums = thread_buffer<float, NibbleRows, kNibbleSums>(rows * groups);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t g = 0; g < groups; ++g) {
@@ -286,7 +281,7 @@ void nibble_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t widen_fr
     float scratch[kNibbleTileRows * 32];
     // more rows than kNibbleRegisterRows share a panel; fewer widen in registers
     float* const panel = wide && rows > kNibbleRegisterRows
-                             ? nibble_buffer(kNibblePanel, 2 * groups * 512)
+                             ? thread_buffer<float, NibbleRows, kNibblePanel>(2 * groups * 512)
                              : nullptr;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;

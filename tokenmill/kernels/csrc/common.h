@@ -49,6 +49,16 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// A buffer of at least `size` elements that the calling thread keeps from call to call (no
+// allocation and no page faults per call), one per (Owner, kSlot); what it holds is valid until
+// the thread's next call for the same pair.
+template <typename T, typename Owner, int kSlot = 0>
+T* thread_buffer(size_t size) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < size) buffer.resize(size);
+  return buffer.data();
+}
+
 inline float bits_to_float(uint32_t b) {
   float f;
   std::memcpy(&f, &b, sizeof(f));

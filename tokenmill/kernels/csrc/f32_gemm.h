@@ -333,19 +333,18 @@ void f32q_blocks(const float* x, int64_t x_stride, int64_t rows, int64_t k_len, 
                          groups, rec + b * block_bytes, block_bytes, o.at(0, b * Vec::W));
     return;
   }
-  thread_local std::vector<float> panel;
   const int64_t block_stride = k_len * Vec::W;
-  if (static_cast<int64_t>(panel.size()) < 2 * block_stride) panel.resize(2 * block_stride);
+  float* const panel = thread_buffer<float, struct F32QBlocksPanel>(2 * block_stride);
   const auto tiles = std::make_integer_sequence<int, kF32TileRows>();
   for (int64_t b = 0; b < nb; b += 2) {
     const int64_t pair = std::min<int64_t>(2, nb - b);
     for (int64_t i = 0; i < pair; ++i)
-      f32q_block<BITS>(rec + (b + i) * block_bytes, groups, panel.data() + i * block_stride);
+      f32q_block<BITS>(rec + (b + i) * block_bytes, groups, panel + i * block_stride);
     if (pair == 2)
-      f32_rows<2>(tiles, x, x_stride, rows, k_len, panel.data(), block_stride, o.at(0, b * Vec::W),
+      f32_rows<2>(tiles, x, x_stride, rows, k_len, panel, block_stride, o.at(0, b * Vec::W),
                   false);
     else
-      f32_rows<1>(tiles, x, x_stride, rows, k_len, panel.data(), block_stride, o.at(0, b * Vec::W),
+      f32_rows<1>(tiles, x, x_stride, rows, k_len, panel, block_stride, o.at(0, b * Vec::W),
                   false);
   }
 }
