@@ -7,10 +7,13 @@ of one decode step of a model shape through each kernel the plan may pick, again
 float32: ``Dense``, ``OneDnn`` (oneDNN's prepacked weights) and ``F32Packed`` (the CPU kernels'
 GEMM); bf16 (where the CPU has AVX512-BF16): ``Dense``, ``Bf16Rows`` (a few rows, on the plain
 weight; ``SMALL_M_ROWS``), ``Bf16Packed`` and ``Bf16PackedF32`` (its weight's rows as float32
-FMAs, the same bits), ``Bf16Blocks4`` / ``Bf16Blocks8`` (the weights in 4/8-bit groups of 32,
-dequantized to bf16 per task: ``--quantization`` in bf16) and ``Bf16Blocks4F32`` (those rows as
-float32 FMAs). Random weights of the model's shapes (fused qkv,
-o, fused gate/up, down per layer, then lm_head); prints milliseconds per step for each number of
+FMAs, the same bits), ``Bf16Blocks4`` / ``Bf16Blocks8`` (the weights in 4/8-bit groups of 32
+on the packed bf16 GEMM: ``--quantization`` in bf16) and ``Bf16Blocks4F32`` (those rows as
+float32 FMAs), ``Bf16Amx`` (the packed weight on AMX tiles, where the CPU has them) and
+``QuantA8-4`` / ``QuantA8-8`` (the 4/8-bit weights from their bytes at every row count with x's
+rows rounded to int8, on AVX512-VNNI). bf16's ``Dense`` is oneDNN's GEMM (on AMX tiles where the
+CPU has them). Random weights of the model's shapes (fused qkv, o, fused gate/up, down per
+layer, then lm_head); prints milliseconds per step for each number of
 input rows (= sequences in a step).
 """
 
@@ -24,8 +27,9 @@ import torch
 
 from tokenmill.kernels import cpu
 from tokenmill.model.linear.dense import Bf16Rows, Dense, OneDnn
-from tokenmill.model.linear.packed import Bf16Blocks, Bf16Packed, F32Packed
-from tokenmill.model.quant import quantize_int4, quantize_int8
+from tokenmill.model.linear.packed import Bf16Amx, Bf16Blocks, Bf16Packed, F32Packed
+from tokenmill.model.linear.quantized import QuantBytes
+from tokenmill.model.quant import quantize_int4, quantize_int8, use_int8_activations
 
 
 def step_ms(kernels: list, rows: int, reps: int, dtype: torch.dtype) -> float:
@@ -98,11 +102,24 @@ def main() -> None:
         "Bf16Blocks4": built(lambda w: blocks(w, quantize_int4, ops), weights),
         "Bf16Blocks4F32": built(lambda w: widened(blocks(w, quantize_int4, ops)), weights),
         "Bf16Blocks8": built(lambda w: blocks(w, quantize_int8, ops), weights),
+        "Bf16Amx": built(lambda w: Bf16Amx.build(w, None, ops), weights),
+        "QuantA8-4": built(lambda w: int8_rows(w, quantize_int4, ops), weights),
+        "QuantA8-8": built(lambda w: int8_rows(w, quantize_int8, ops), weights),
     }, [int(r) for r in args.bf16_rows.split(",")], args.reps, torch.bfloat16)
 
 
 def blocks(w: torch.Tensor, quantize: Callable, ops) -> Bf16Blocks | None:
     return Bf16Blocks.build_quantized(quantize(w), None, ops)
+
+
+def int8_rows(w: torch.Tensor, quantize: Callable, ops) -> QuantBytes | None:
+    """The 4/8-bit weight from its bytes at every row count, x's rows rounded to int8 (the
+    ``quant-a8`` kernel a CPU with AVX512-VNNI but no bf16 blocks plans), None without it."""
+    if not getattr(ops, "has_int8_dot", False):
+        return None
+    qw = quantize(w)
+    use_int8_activations(qw)
+    return QuantBytes(qw, None, ops, dense_rows=None)
 
 
 def widened(kernel: Bf16Packed | None) -> Bf16Packed | None:

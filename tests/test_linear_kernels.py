@@ -48,7 +48,7 @@ def kernels(plan) -> dict[str, str]:
     ("avx512-bf16", "bfloat16", "none",
      {**dict.fromkeys(ROLES, "bf16-packed"), "gate_up": "bf16-packed-silu"}),
     ("amx", "bfloat16", "none",
-     {**dict.fromkeys(ROLES, "bf16-packed"), "gate_up": "bf16-packed-silu"}),
+     {**dict.fromkeys(ROLES, "bf16-amx"), "gate_up": "bf16-amx-silu"}),
     ("bare", "float32", "none", dict.fromkeys(ROLES, "onednn")),
     ("bare", "bfloat16", "none", dict.fromkeys(ROLES, "dense")),
     ("cuda", "bfloat16", "none", dict.fromkeys(ROLES, "dense")),

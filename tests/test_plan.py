@@ -47,6 +47,23 @@ def test_cpu_plans_choose_dtype_backend_and_step_per_machine(kind, dtype, kv, ba
     assert plan.threads == 2 and plan.thread_governor
 
 
+def test_bf16_on_amx_multiplies_on_its_tiles_and_times_onednn_against_them() -> None:
+    """With AMX, bf16 weights run on the packed GEMM's AMX tiles (gate/up with SiLU·mul fused)
+    and the load times them against oneDNN for large batches; without, on vdpbf16ps with the
+    float32-FMA trial instead. The batch-invariant mode keeps the tiles at every row count."""
+    amx = plan_for("amx").linear
+    assert [amx.kernel_for(r) for r in ("qkv", "gate_up", "lm_head")] == [
+        "bf16-amx", "bf16-amx-silu", "bf16-amx"]
+    assert amx.onednn_trial and not amx.widen_trial
+    assert amx.with_batch_invariance().float_kernels == amx.float_kernels
+    assert not amx.with_batch_invariance().onednn_trial
+    plain = plan_for("avx512-bf16").linear
+    assert plain.kernel_for("qkv") == "bf16-packed" and plain.kernel_for("gate_up") == \
+        "bf16-packed-silu"
+    assert plain.widen_trial and not plain.onednn_trial and "bf16-amx" not in \
+        plain.with_batch_invariance().float_kernels
+
+
 def test_cpu_kv_blocks_come_from_the_machines_memory() -> None:
     """A fifth of the available memory, at most 4 GiB, in blocks of the planned dtype."""
     import torch

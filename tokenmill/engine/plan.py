@@ -254,7 +254,7 @@ def _invariance_default_off(config: EngineConfig, linear: LinearPlan) -> str | N
     for bit); off where it costs more than 10% or was not measured."""
     if linear.onednn_trial:
         return ("the default here: with oneDNN's AMX route planned, the mode's AMX tiles "
-                "take prompt chunks 20% slower (--batch-invariant turns it on)")
+                "take prompt chunks 20-30% slower (--batch-invariant turns it on)")
     if config.quantization != "none" and linear.quant_kernels[:1] != ("bf16-blocks",):
         return ("the default for --quantization (4/8-bit weights) off the bf16 GEMM: its cost "
                 "there is not measured (--batch-invariant turns it on)")

@@ -30,6 +30,12 @@ INT8_ACTIVATIONS = True
 # whichever is faster (routed.py): "amx", a bf16 model on a CPU with AMX, whose tiles oneDNN
 # uses and the packed GEMM (vdpbf16ps) does not; "always", any model with packed weights; "never"
 ONEDNN_TRIAL = "amx"
+# bf16 on a CPU with AMX: the packed weights multiply on its tiles (Bf16Amx) at every row count
+# the oneDNN trial leaves them; off, by vdpbf16ps. On 2 cores of an Emerald Rapids Xeon the
+# default model's 121 projections took 12.8 / 14.8 / 20.5 / 74 ms on the tiles at 1 / 8 / 32 /
+# 128 rows, 14.9 / 18.4 / 62 / 247 by vdpbf16ps, 29 / 33 / 32 / 47 through oneDNN
+# (benchmarks/linear_kernels.py): the tiles lead up to 32 rows, oneDNN from 64-128
+AMX_TILES = True
 # Time, at load, packed bf16 weights' rows by vdpbf16ps against float32 FMAs over the widened
 # weight (csrc/bf16_gemm.h's WidenRows: the same bits) and take the FMAs from the rows where
 # they measure faster (a CPU whose vdpbf16ps issues at half its FMA rate); off AMX tiles
@@ -123,7 +129,9 @@ class LinearPlan:
         """This plan in the batch-invariant mode: no oneDNN trial (oneDNN's sums for a row
         change with the batch's rows), each layer on one kernel at every row count: with AMX,
         the packed weights on its tiles (near oneDNN's pace for prompts, one order per row)."""
-        floats = ("bf16-amx",) * self.amx + self.float_kernels
+        floats = self.float_kernels
+        if self.amx and floats[0] != "bf16-amx":
+            floats = ("bf16-amx",) + floats
         return replace(self, batch_invariant=True, onednn_trial=False, float_kernels=floats)
 
     def describe(self) -> dict[str, object]:
@@ -152,14 +160,16 @@ def plan_linears(machine: Machine, dtype: str, quantization: str = "none", *,
     a8 = (INT8_ACTIVATIONS and quantization in ("auto", "int8", "int4")
           and (caps.int8_dot or caps.a8_gemm))
     float_kernels = _float_kernels(machine, dtype, layer_caps)
+    amx = float_kernels[0] == "bf16-packed" and caps.amx
+    if amx and AMX_TILES:
+        float_kernels = ("bf16-amx",) + float_kernels
     return LinearPlan(
         device="cuda" if machine.on_gpu else "cpu", dtype=dtype, quantization=quantization,
         formats=_formats(quantization), float_kernels=float_kernels,
         quant_kernels=_quant_kernels(machine, dtype, quantization, layer_caps, a8, in_bits),
         keep_gguf_blocks=quantization == "auto" or in_bits, int8_activations=a8,
         onednn_trial=_onednn_trial(dtype, caps, layer_caps),
-        gate_silu=float_kernels[0] == "bf16-packed", notes=notes,
-        amx=float_kernels[0] == "bf16-packed" and caps.amx,
+        gate_silu=float_kernels[0] in _SILU, notes=notes, amx=amx,
         widen_trial=WIDEN_TRIAL and float_kernels[0] == "bf16-packed" and not caps.amx)
 
 
