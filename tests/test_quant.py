@@ -375,6 +375,30 @@ def test_fp8_linear_within_the_format_bound(n, k, rows):
     assert (got.double() - want).abs().max() > 0  # it did quantize
 
 
+def test_fp8_per_tensor_fallback_gives_the_rowwise_product():
+    """Where a CPU's torch._scaled_mm takes per-tensor scales only (PyTorch 2.11), the fp8
+    product is summed unscaled in float32 and scaled per row and column after: the row-wise
+    call's result up to the output's rounding."""
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(40, 96, generator=gen), torch.randn(9, 96, generator=gen)
+    qw = Q.quantize_fp8(w)
+    x_scale = (x.abs().amax(dim=-1, keepdim=True) / Q.FP8_MAX).clamp_min(1e-12)
+    xq = (x / x_scale).to(torch.float8_e4m3fn)
+    for dtype in (torch.float32, torch.bfloat16):
+        fallback = Q._scaled_mm_rows(xq, qw.qweight.t(), x_scale, qw.scales.t(), dtype,
+                                     rowwise=False)
+        exact = (xq.double() * x_scale.double()) @ (qw.qweight.double() * qw.scales.double()).T
+        assert fallback.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+        assert ((fallback.double() - exact).abs() <= tol * exact.abs().max()).all()
+        if not Q._cpu_scaled_mm_takes_rows():  # per-tensor scales only in this torch
+            continue
+        rowwise = Q._scaled_mm_rows(xq, qw.qweight.t(), x_scale, qw.scales.t(), dtype,
+                                    rowwise=True)
+        assert ((rowwise.double() - fallback.double()).abs()
+                <= tol * exact.abs().max()).all()
+
+
 def test_fp8_model_quantizes_every_layer_but_the_output(tmp_path):
     from tests.tiny_models import save_hf_model
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cache
 
 import numpy as np
 import torch
@@ -135,11 +136,40 @@ def fp8_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None) -> t
     x2 = x.reshape(-1, shape[-1])
     x_scale = (x2.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
     xq = (x2.float() / x_scale).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(xq, qw.qweight.t(), scale_a=x_scale, scale_b=qw.scales.t(),
-                           out_dtype=x.dtype)
+    out = _scaled_mm_rows(xq, qw.qweight.t(), x_scale, qw.scales.t(), x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], out.shape[-1])
+
+
+def _scaled_mm_rows(xq: torch.Tensor, wq_t: torch.Tensor, x_scale: torch.Tensor,
+                    w_scale_t: torch.Tensor, out_dtype: torch.dtype,
+                    rowwise: bool | None = None) -> torch.Tensor:
+    """``(xq * x_scale) @ (wq_t * w_scale_t)`` in ``out_dtype``: fp8 operands, float32 scales
+    per row of x and per column of W, both in ``torch._scaled_mm`` where it takes them; on a
+    CPU whose backend takes per-tensor scales only (PyTorch 2.11) the fp8 product is summed in
+    float32 and scaled after (``rowwise`` False forces that way, True the other)."""
+    if rowwise is None:
+        rowwise = xq.device.type != "cpu" or _cpu_scaled_mm_takes_rows()
+    if rowwise:
+        return torch._scaled_mm(xq, wq_t, scale_a=x_scale, scale_b=w_scale_t,
+                                out_dtype=out_dtype)
+    one = torch.ones((), dtype=torch.float32, device=xq.device)
+    out = torch._scaled_mm(xq, wq_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (out * x_scale * w_scale_t).to(out_dtype)
+
+
+@cache
+def _cpu_scaled_mm_takes_rows() -> bool:
+    """Whether this PyTorch's CPU ``_scaled_mm`` takes row-wise scales (2.13 does; 2.11
+    asserts per-tensor scales)."""
+    a = torch.ones(16, 32).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = INT4_GROUP) -> QuantWeight:
