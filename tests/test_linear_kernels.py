@@ -347,36 +347,18 @@ def _blocks_and_rows(n, k, bias, quantize):
 
 
 @needs_bf16_gemm
+@pytest.mark.parametrize("quantize", [Q.quantize_int4, Q.quantize_int8], ids=["4-bit", "8-bit"])
 @pytest.mark.parametrize("n,k,bias", BLOCK_SHAPES)
-def test_8_bit_blocks_give_the_bf16_weights_bits(n, k, bias):
-    """Bf16Blocks over 8-bit groups (csrc/bf16_gemm.h's QuantPanel): the weight dequantized
-    per task into bf16 gives the products of that weight rounded to bf16 and packed, bit for
-    bit: by vdpbf16ps and by the float32 FMAs, through row tiles of 1-8 and 64-row chunks, an
-    odd trailing column block (48 features), a bias and the SiLU·mul epilogue."""
-    blocks, gated, weight, bias_bf16, rows_of_x = _blocks_and_rows(n, k, bias, Q.quantize_int8)
-    dense = Bf16Packed.build(weight.bfloat16(), bias_bf16, ops)
-    dense_gated = None if gated is None else Bf16PackedSilu.build(weight.bfloat16(), None, ops)
-    for rows in (1, 8, 9, 64, 65, 130):
-        x = rows_of_x(rows)
-        for widen_from in (0, 1):
-            blocks.widen_from = dense.widen_from = widen_from
-            assert torch.equal(bits(blocks(x)), bits(dense(x))), (rows, widen_from)
-            if gated is not None:
-                gated.widen_from = dense_gated.widen_from = widen_from
-                assert torch.equal(bits(gated(x)), bits(dense_gated(x))), (rows, widen_from)
-
-
-@needs_bf16_gemm
-@pytest.mark.parametrize("n,k,bias", BLOCK_SHAPES)
-def test_4_bit_blocks_sum_each_row_alike_at_every_row_count(n, k, bias):
-    """Bf16Blocks over 4-bit groups (csrc/bf16_nibbles.h): vdpbf16ps over the nibbles as bf16
-    16 + q, scaled per group in float32. Each row's outputs are the same bits whatever the
-    rows beside it (tiles of 1-16 rows, one or two column blocks, an odd trailing block) and
-    by vdpbf16ps or float32 FMAs; they are the float64 product of x and the blocks' weights
-    rounded once to bf16 but for an output next to a rounding boundary -- closer to it than
-    the bf16 weights' products (each weight rounded to bf16) -- and SiLU·mul's epilogue gives
-    the products' activation bit for bit."""
-    blocks, gated, weight, bias_bf16, rows_of_x = _blocks_and_rows(n, k, bias, Q.quantize_int4)
+def test_blocks_sum_each_row_alike_at_every_row_count(n, k, bias, quantize):
+    """Bf16Blocks over 4-bit groups (csrc/bf16_nibbles.h: vdpbf16ps over the nibbles as bf16
+    16 + q, scaled per group in float32) and 8-bit ones (csrc/bf16_q8.h: float32 FMAs over
+    scale * q). Each row's outputs are the same bits whatever the rows beside it (tiles of
+    1-16 rows, one or two column blocks, an odd trailing block) and, for 4 bits, by vdpbf16ps
+    or float32 FMAs; they are the float64 product of x and the blocks' weights rounded once to
+    bf16 but for an output next to a rounding boundary -- closer to it than the bf16 weights'
+    products (each weight rounded to bf16) -- and SiLU·mul's epilogue gives the products'
+    activation bit for bit."""
+    blocks, gated, weight, bias_bf16, rows_of_x = _blocks_and_rows(n, k, bias, quantize)
     dense = Bf16Packed.build(weight.bfloat16(), bias_bf16, ops)
     x = rows_of_x(130)
     full = blocks(x)

@@ -76,7 +76,7 @@ LADDER: tuple[Rung, ...] = (
          LAYER_BENCH),
     Rung("bf16 GEMM, 4-bit weights read as bf16 16 + q", "pack_bf16_nibbles", "bf16_nibbles.h",
          (DEQUANTIZE, F_LINEAR),
-         "tests/test_linear_kernels.py::test_4_bit_blocks_sum_each_row_alike_at_every_row_count",
+         "tests/test_linear_kernels.py::test_blocks_sum_each_row_alike_at_every_row_count",
          LINEAR_BENCH, timed_as="Bf16Blocks4"),
     Rung("f32 packed GEMM", "linear_f32_packed", "f32_linear.h", (F_LINEAR,),
          "tests/test_cpu_kernels.py::test_packed_f32_linear_matches_float64_reference",

@@ -39,7 +39,6 @@ class AmxRows {
   }
   static const float* prepare(const uint16_t*, int64_t, int64_t, int64_t) { return nullptr; }
   void begin(const float*, const uint16_t*, int64_t, int64_t) {}
-  void forget() {}
   static constexpr bool kAmxOrder = true;  // sums in an order of AMX's own
 
   template <int NB>

@@ -29,19 +29,14 @@
 // vdpbf16ps's: AMX adds a tile's products in an order of its own).
 //
 // An 8-bit weight in groups of 32 (a GGUF's Q8_0, --quantization int8), packed by
-// pack_f32_quant_weight (f32_gemm.h), multiplies here too: each task dequantizes its column
-// blocks into a bf16 panel in the layout above (QuantPanel), each weight float32 scale * q
-// rounded to bf16 -- what a bf16 model read from those blocks holds -- and the row kernels then
-// run over the panel (up to kDirectRows rows, vdpbf16ps takes each pair of k as it is
-// dequantized in registers, with no panel). So the sums are the bf16 weight's, bit for bit, at
-// every row count and on every row kernel, while a step reads 1.125 bytes per weight from
-// memory instead of 2. A 4-bit weight (Q4_0 / Q4_1, int4) goes to bf16_nibbles.h, whose
-// nibbles vdpbf16ps reads as they are.
+// pack_f32_quant_weight (f32_gemm.h), goes to bf16_q8.h's float32 FMAs over its bits; a 4-bit
+// one (Q4_0 / Q4_1, int4) to bf16_nibbles.h, whose nibbles vdpbf16ps reads as they are.
 
 #pragma once
 
 #include "bf16_amx.h"
 #include "bf16_nibbles.h"
+#include "bf16_q8.h"
 #include "common.h"
 #include "f32_gemm.h"
 
@@ -142,7 +137,6 @@ struct DotRows {  // vdpbf16ps, above
            int64_t block_stride, float* out, bool prefetch) {
     gemm_rows<NB>(x, xs, rows, k_len, w, block_stride, out, 32, prefetch);
   }
-  void forget() {}  // the weights at the address of the last call's may differ now
   static constexpr bool kAmxOrder = false;  // sums in vdpbf16ps's order
 };
 
@@ -197,8 +191,6 @@ class WidenRows {
     }
     _mm_setcsr(csr);
   }
-  // the weights at the address of the last call's may differ now (a QuantPanel's next task)
-  void forget() { panel_of_ = nullptr; }
   static constexpr bool kAmxOrder = false;  // vdpbf16ps's sums
 
  private:
@@ -303,103 +295,12 @@ class WidenRows {
   int panel_nb_ = 0;
 };
 
-// Where a task's column blocks come from (packed_gemm's Source): PackedPanel, the packed bf16
-// weight itself; QuantPanel, an 8-bit weight dequantized per task. blocks(b0, nb) is the
-// address of blocks b0 .. b0 + nb - 1 in pack_bf16_weight's layout, `stride` bf16 elements
-// apart; kFresh: the address is a per-thread panel that the next task overwrites.
+// Where a task's column blocks come from (packed_gemm's Source): blocks(b0, nb) is the address
+// of blocks b0 .. b0 + nb - 1 of the packed bf16 weight, `stride` bf16 elements apart
 struct PackedPanel {
-  static constexpr bool kFresh = false;
   const uint16_t* w;
   int64_t stride;
   const uint16_t* blocks(int64_t b0, int /*nb*/) const { return w + b0 * stride; }
-};
-
-// rows up to which an 8-bit weight multiplies without a panel (QuantPanel::direct)
-constexpr int64_t kDirectRows = 8;
-
-struct QuantPanel {
-  static constexpr bool kFresh = true;
-  const uint8_t* q;     // pack_f32_quant_weight's records
-  int64_t block_bytes;  // bytes per column block (`groups` records)
-  int64_t groups;
-  int64_t stride;  // groups * 16 pairs * 32 bf16
-
-  const uint16_t* blocks(int64_t b0, int nb) const {
-    uint16_t* const panel = thread_buffer<uint16_t, QuantPanel>(2 * stride);
-    for (int b = 0; b < nb; ++b) dequantize(q + (b0 + b) * block_bytes, panel + b * stride);
-    return panel;
-  }
-
-  // Up to kDirectRows rows of x times blocks b0 .. b0 + NB - 1 into out (row stride 32), each
-  // pair of k dequantized in registers and multiplied by vdpbf16ps at once: DotRows' sums (the
-  // same instruction over the same values in the same order) without the panel's pass through
-  // memory and its second loop, whose few accumulator chains wait on vdpbf16ps's latency
-  template <int ROWS, int NB>
-  void direct(const uint16_t* x, int64_t xs, int64_t b0, float* out) const {
-    __m512 acc[ROWS][NB];
-    for (int r = 0; r < ROWS; ++r)
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
-    const __m512i pairs = pair_order();
-    const uint8_t* rec[NB];
-    for (int b = 0; b < NB; ++b) rec[b] = q + (b0 + b) * block_bytes;
-    for (int64_t g = 0; g < groups; ++g) {
-      Vec s[NB], z[NB];
-      for (int b = 0; b < NB; ++b) f32q_scales<8>(rec[b], s[b], z[b]);
-      for (int64_t i = 0; i < kF32QGroup; i += 2) {
-        __m512bh wv[NB];
-        for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)pair(rec[b], s[b], z[b], i, pairs);
-        for (int r = 0; r < ROWS; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, x + r * xs + g * kF32QGroup + i, sizeof(pair));
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-          for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
-        }
-      }
-      for (int b = 0; b < NB; ++b) rec[b] += f32_quant_record(8);
-    }
-    for (int r = 0; r < ROWS; ++r)
-      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * 32 + b * 16, acc[r][b]);
-  }
-
-  // direct<ROWS, NB> for 1 <= rows <= kDirectRows at run time
-  template <int NB>
-  void direct_rows(const uint16_t* x, int64_t xs, int64_t rows, int64_t b0, float* out) const {
-    using Fn = void (QuantPanel::*)(const uint16_t*, int64_t, int64_t, float*) const;
-    static constexpr Fn kRows[] = {&QuantPanel::direct<1, NB>, &QuantPanel::direct<2, NB>,
-                                   &QuantPanel::direct<3, NB>, &QuantPanel::direct<4, NB>,
-                                   &QuantPanel::direct<5, NB>, &QuantPanel::direct<6, NB>,
-                                   &QuantPanel::direct<7, NB>, &QuantPanel::direct<8, NB>};
-    static_assert(sizeof(kRows) / sizeof(kRows[0]) == kDirectRows);
-    (this->*kRows[rows - 1])(x, xs, b0, out);
-  }
-
-  // words 0-15 (even k) and 16-31 (odd k) of vcvtne2ps2bf16 taken in turn: pack_bf16_weight's
-  // pairs
-  static __m512i pair_order() {
-    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  }
-
-  // the 16 features' weights at k = i and i + 1 of the group at `rec` as pack_bf16_weight pairs
-  // them: each feature's even weight in the low half of its lane and the odd one in the high
-  // half, rounded to bf16 to nearest (vcvtne2ps2bf16, then one word permute by `pairs`)
-  static __m512i pair(const uint8_t* rec, const Vec& s, const Vec& z, int64_t i,
-                      const __m512i& pairs) {
-    return _mm512_permutexvar_epi16(
-        pairs, (__m512i)_mm512_cvtne2ps_pbh(f32q_weights<8>(rec, s, z, i + 1).v,
-                                            f32q_weights<8>(rec, s, z, i).v));
-  }
-
-  // one column block, pair by pair, into dst in pack_bf16_weight's layout
-  void dequantize(const uint8_t* rec, uint16_t* dst) const {
-    const __m512i pairs = pair_order();
-    for (int64_t g = 0; g < groups; ++g, rec += f32_quant_record(8)) {
-      Vec s, z;
-      f32q_scales<8>(rec, s, z);
-      for (int64_t i = 0; i < kF32QGroup; i += 2, dst += kPackCols * 2)
-        _mm512_storeu_si512(dst, pair(rec, s, z, i, pairs));
-    }
-  }
 };
 
 // x W^T over a packed W, task by task: a pair of column blocks (a trailing odd block alone)
@@ -423,25 +324,13 @@ void packed_gemm(const at::Tensor& x, const Source& src, int64_t blocks,
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;
       const int nb = b0 + 1 < blocks ? 2 : 1;
-      if constexpr (Source::kFresh && !Rows::kAmxOrder) {
-        if (rows <= kDirectRows) {  // decode: an 8-bit weight multiplied as it is dequantized
-          for (int64_t r = 0; r < rows; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
-          if (nb == 2)
-            src.template direct_rows<2>(xp, xs, rows, b0, scratch.data());
-          else
-            src.template direct_rows<1>(xp, xs, rows, b0, scratch.data());
-          for (int64_t r = 0; r < rows; ++r) epilogue(r, scratch.data() + r * 32, b0, nb);
-          continue;
-        }
-      }
       const uint16_t* w = src.blocks(b0, nb);
-      if (Source::kFresh) kernel.forget();
       for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
         const int64_t rr = std::min(kRowChunk, rows - r0);
         // the chunk's output lines, fetched for writing while the products are computed
         for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
-        // a packed weight's next blocks come from memory: prefetched (a panel is in cache)
-        const bool prefetch = r0 == 0 && !Source::kFresh;
+        // the next blocks come from memory: prefetched by the chunk's first tile
+        const bool prefetch = r0 == 0;
         if (nb == 2)
           kernel.template run<2>(xp + r0 * xs, xs, rr, k_len, w, src.stride, scratch.data(),
                                  prefetch);
@@ -475,8 +364,8 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, bool amx, const
                              : bits > 0 && packed.size(1) * kF32QGroup == x.size(1)),
               what, ": a weight packed by pack_bf16_weight, pack_bf16_nibbles (4 bits) or "
               "pack_f32_quant_weight (8 bits) for x's K");
-  TORCH_CHECK(!amx || (amx_usable() && x.size(1) % 32 == 0 && !is_nibble_pack(packed)), what,
-              ": amx needs AMX tiles this process may use, K a multiple of 32 and no nibbles");
+  TORCH_CHECK(!amx || (amx_usable() && x.size(1) % 32 == 0 && bits == 0), what,
+              ": amx needs AMX tiles this process may use, K a multiple of 32 and a bf16 weight");
 }
 
 // packed_gemm over `src` on AMX tiles, or by vdpbf16ps, or from widen_from rows (> 0) by
@@ -492,8 +381,7 @@ void gemm_rows_on(bool amx, int64_t widen_from, const at::Tensor& x, const Sourc
   packed_gemm<DotRows>(x, src, blocks, epilogue, out_at);
 }
 
-// gemm_rows_on over a packed bf16 weight or an 8-bit one dequantized task by task; a 4-bit one
-// by nibble_gemm
+// gemm_rows_on over a packed bf16 weight; a 4-bit one by nibble_gemm; an 8-bit one by q8_gemm
 template <typename Epilogue, typename OutAt>
 void packed_gemm_on(bool amx, int64_t widen_from, const at::Tensor& x, const at::Tensor& packed,
                     const Epilogue& epilogue, const OutAt& out_at) {
@@ -504,11 +392,7 @@ void packed_gemm_on(bool amx, int64_t widen_from, const at::Tensor& x, const at:
                           packed.size(1) * kPackCols * 2};
     return gemm_rows_on(amx, widen_from, x, src, blocks, epilogue, out_at);
   }
-  const uint8_t* q = packed.data_ptr<uint8_t>();
-  const int64_t groups = packed.size(1), block_bytes = groups * packed.size(2);
-  const int64_t stride = groups * (kF32QGroup / 2) * kPackCols * 2;
-  gemm_rows_on(amx, widen_from, x, QuantPanel{q, block_bytes, groups, stride}, blocks, epilogue,
-               out_at);
+  q8_gemm(x, packed, epilogue, out_at);
 }
 
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,

@@ -14,8 +14,9 @@
 //   bf16_rows.h        linear_bf16_rows: one to four rows (AVX512-BF16)
 //   bf16_amx.h         AmxRows: the packed bf16 GEMM's rows on AMX tiles
 //   bf16_nibbles.h     4-bit weights multiplied by vdpbf16ps as bf16 16 + q, scaled per group
+//   bf16_q8.h          8-bit weights times bf16 rows as float32 FMAs over scale * q
 //   bf16_gemm.h        linear_bf16_packed(_silu) over weights packed for vdpbf16ps (or AMX),
-//                      8-bit weights dequantized to bf16 per task, or bf16_nibbles.h's
+//                      bf16_nibbles.h's or bf16_q8.h's
 //   f32_gemm.h         the float32 GEMM's packing (float32 or 4/8-bit weights) and tiles
 //   a8_gemm.h          4/8-bit weights times rows of x quantized to int8 (AVX2)
 //   f32_linear.h       linear_f32_packed(_add), over any of the two above's weights

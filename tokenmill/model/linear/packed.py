@@ -108,6 +108,11 @@ class Bf16Packed(LinearKernel):
         """K as the packing holds it (an odd K padded to even)."""
         return self.packed.shape[1] * 2
 
+    @property
+    def widens(self) -> bool:
+        """Whether its rows may run as float32 FMAs with vdpbf16ps's bits (``widen_from``)."""
+        return not self.amx
+
     def gemm(self, kernel: Callable) -> Callable:
         """``kernel`` (a packed bf16 GEMM binding) as this layer runs it: on AMX tiles, or
         by vdpbf16ps and from ``widen_from`` rows by float32 FMAs."""
@@ -197,10 +202,9 @@ class Bf16Blocks(Bf16Packed):
     each nibble q as the bf16 number 16 + q, and each group's sums are scaled in float32 -- the
     blocks' weights summed without rounding each to bf16, in one order per row at every row
     count, by vdpbf16ps or float32 FMAs from ``widen_from`` rows alike. 8 bits
-    (``pack_f32_quant_weight``, csrc/bf16_gemm.h's QuantPanel): each task's column blocks
-    dequantized to bf16 as a bf16 model read from the same blocks holds them, so the products
-    are that bf16 model's, bit for bit. A step reads 0.75 (4 bits) or 1.125 (8 bits) bytes per
-    weight instead of 2."""
+    (``pack_f32_quant_weight``, csrc/bf16_q8.h): float32 FMAs over scale * q, x widened to
+    float32, one order per row at every row count (``widen_from`` does not apply). Neither runs
+    on AMX tiles. A step reads 0.75 (4 bits) or 1.125 (8 bits) bytes per weight instead of 2."""
 
     family = "bf16-blocks"
 
@@ -220,6 +224,11 @@ class Bf16Blocks(Bf16Packed):
     @property
     def in_features(self) -> int:
         return self.packed.shape[1] * 32  # groups of 32
+
+    @property
+    def widens(self) -> bool:
+        """4 bits (the nibbles' 4-dim pack) only: 8-bit blocks run float32 FMAs throughout."""
+        return not self.amx and self.packed.dim() == 4
 
     @property
     def weight_format(self) -> str:

@@ -274,9 +274,10 @@ def route_to_onednn(module: nn.Module, rows: int | None, ops) -> None:
 # ----- float32 FMAs for bf16 rows --------------------------------------------------------------
 
 def _widenable(module: nn.Module) -> Iterator[Linear]:
-    """Layers on a packed bf16 kernel multiplying by vdpbf16ps (not on AMX tiles)."""
+    """Layers on a packed bf16 kernel multiplying by vdpbf16ps (not on AMX tiles, not 8-bit
+    blocks, which run float32 FMAs at every row count)."""
     for _, _, layer in named_linears(module):
-        if isinstance(layer.kernel, Bf16Packed) and not layer.kernel.amx:
+        if isinstance(layer.kernel, Bf16Packed) and layer.kernel.widens:
             yield layer
 
 

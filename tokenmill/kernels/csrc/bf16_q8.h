@@ -1,0 +1,158 @@
+// 8-bit weights in groups of 32 (a GGUF's Q8_0, --quantization int8) times bf16 rows of x as
+// float32 FMAs, the weights read in their bits: per k, 16 features' int8 q sign-extended and
+// converted (two operations), times the group's scale d (float32: d * q is exact for a float16
+// d), then one FMA per row. Every output sums x[k] * d q along K in one order, whatever the
+// number of rows (tiles of 1-8 rows x 2 column blocks, 9-16 rows x 1: each row its own
+// accumulators), so a row's sums do not depend on its batch; and they are x times the
+// weights the blocks stand for, not those weights rounded to bf16. x is widened to float32
+// once per call (exact). The layout is pack_f32_quant_weight's 8-bit one: per column block of
+// 16 features and group, 16 float32 scales then 32 x 16 int8 (k-major), 1.125 bytes per weight.
+// Replaces dequantizing each task's blocks to bf16 for vdpbf16ps, which was slower than the
+// bf16 weights themselves at every row count.
+
+#pragma once
+
+#include <array>
+#include <utility>
+
+#include "common.h"
+#include "f32_gemm.h"
+
+#if defined(__AVX512BF16__)
+
+namespace {
+
+constexpr int64_t kQ8Cols = 16;      // features per column block (one zmm of float32)
+constexpr int64_t kQ8TileRows = 16;  // rows per tile (one column block from 9 rows)
+constexpr int64_t kQ8RegisterRows = 32;  // up to this many rows the tiles widen the weights
+
+// Where a tile's weights come from: the records (`groups` of them per block from rec[b]),
+// widened as they are read; or a panel of them widened once per task (for many rows: the
+// same float32 values, read instead of widened again by every tile)
+struct Q8Blocks {
+  const uint8_t* const* rec;
+  const float* panel;  // [block][k][16] float32 scale * q, or nullptr
+  int64_t k_len;
+};
+
+// block `b`'s 16 weights at k = g * 32 + i as float32 scale * q (exact: a float16 scale)
+inline __m512 q8_weights(const uint8_t* rec, int64_t g, int i, __m512 d) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(rec + g * f32_quant_record(8) + kQ8Cols * 4);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * 16));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
+}
+
+inline __m512 q8_scales(const uint8_t* rec, int64_t g) {
+  return _mm512_loadu_ps(reinterpret_cast<const float*>(rec + g * f32_quant_record(8)));
+}
+
+// blocks rec[0 .. nb - 1] widened into `panel` (Q8Blocks' layout)
+inline void q8_widen(const uint8_t* const* rec, int nb, int64_t groups, float* panel) {
+  for (int b = 0; b < nb; ++b)
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 d = q8_scales(rec[b], g);
+      float* p = panel + (b * groups * kF32QGroup + g * kF32QGroup) * kQ8Cols;
+      for (int i = 0; i < kF32QGroup; ++i)
+        _mm512_storeu_ps(p + i * kQ8Cols, q8_weights(rec[b], g, i, d));
+    }
+}
+
+// ROWS rows of float32 x (stride xs) times NB column blocks into out (row stride 32)
+template <int ROWS, int NB, bool kPanel>
+void q8_tile(const float* x, int64_t xs, int64_t groups, const Q8Blocks& w, float* out) {
+  __m512 acc[ROWS][NB];
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 d[NB];
+    if constexpr (!kPanel)
+      for (int b = 0; b < NB; ++b) d[b] = q8_scales(w.rec[b], g);
+    const float* xg = x + g * kF32QGroup;
+    for (int i = 0; i < kF32QGroup; ++i) {
+      __m512 wv[NB];
+      for (int b = 0; b < NB; ++b) {
+        if constexpr (kPanel)
+          wv[b] = _mm512_loadu_ps(w.panel + (b * w.k_len + g * kF32QGroup + i) * kQ8Cols);
+        else
+          wv[b] = q8_weights(w.rec[b], g, i, d[b]);
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 xv = _mm512_set1_ps(xg[r * xs + i]);
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out + r * 32 + b * 16, acc[r][b]);
+}
+
+using Q8Tile = void (*)(const float*, int64_t, int64_t, const Q8Blocks&, float*);
+
+template <int NB, bool kPanel, int... R>
+constexpr std::array<Q8Tile, sizeof...(R)> q8_tiles(std::integer_sequence<int, R...>) {
+  return {q8_tile<R + 1, NB, kPanel>...};
+}
+
+// a task's rows (1 <= rows <= kQ8TileRows) over its nb column blocks: both blocks in one tile
+// where they fit (each row's x read once), else a block at a time
+inline void q8_task_rows(const float* x, int64_t xs, int64_t groups, int64_t rows,
+                         const Q8Blocks& w, int nb, float* out) {
+  using Rows = std::make_integer_sequence<int, kQ8TileRows>;
+  using Half = std::make_integer_sequence<int, kQ8TileRows / 2>;
+  static constexpr auto kTwo = q8_tiles<2, false>(Half{});
+  static constexpr auto kOne = q8_tiles<1, false>(Rows{});
+  static constexpr auto kTwoPanel = q8_tiles<2, true>(Half{});
+  static constexpr auto kOnePanel = q8_tiles<1, true>(Rows{});
+  if (nb == 2 && rows <= kQ8TileRows / 2)
+    return (w.panel ? kTwoPanel : kTwo)[rows - 1](x, xs, groups, w, out);
+  for (int b = 0; b < nb; ++b) {
+    const Q8Blocks one{w.rec + b, w.panel ? w.panel + b * w.k_len * kQ8Cols : nullptr, w.k_len};
+    (w.panel ? kOnePanel : kOne)[rows - 1](x, xs, groups, one, out + b * 16);
+  }
+}
+
+// q8_gemm's thread_buffer slots: the calling thread's x widened to float32, a worker's panel
+struct Q8Rows;
+enum Q8Buffer { kQ8RowsF32, kQ8Panel };
+
+// x W^T over an 8-bit weight packed by pack_f32_quant_weight, task by task (a pair of column
+// blocks, a trailing odd block alone), every row in tiles of up to kQ8TileRows rows.
+// epilogue(row, acc, b0, nb) and out_at(row, b0) as packed_gemm's (bf16_gemm.h).
+template <typename Epilogue, typename OutAt>
+void q8_gemm(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue,
+             const OutAt& out_at) {
+  const int64_t rows = x.size(0), k_len = x.size(1), xs = x.stride(0);
+  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  const int64_t block_bytes = groups * packed.size(2);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  float* const xf = thread_buffer<float, Q8Rows, kQ8RowsF32>(rows * k_len);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t k = 0; k < k_len; k += 16) Vec::load(xp + r * xs + k).store(xf + r * k_len + k);
+  });
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    float scratch[kQ8TileRows * 32];
+    // more rows than kQ8RegisterRows share a panel per task; fewer widen in registers
+    float* const panel = rows > kQ8RegisterRows
+                             ? thread_buffer<float, Q8Rows, kQ8Panel>(2 * k_len * kQ8Cols)
+                             : nullptr;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b0 = 2 * t;
+      const int nb = b0 + 1 < blocks ? 2 : 1;
+      const uint8_t* rec[2] = {q + b0 * block_bytes, q + (b0 + nb - 1) * block_bytes};
+      if (panel) q8_widen(rec, nb, groups, panel);
+      const Q8Blocks w{rec, panel, k_len};
+      for (int64_t r0 = 0; r0 < rows; r0 += kQ8TileRows) {
+        const int64_t rr = std::min(kQ8TileRows, rows - r0);
+        for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
+        q8_task_rows(xf + r0 * k_len, k_len, groups, rr, w, nb, scratch);
+        for (int64_t r = 0; r < rr; ++r) epilogue(r0 + r, scratch + r * 32, b0, nb);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+#endif
