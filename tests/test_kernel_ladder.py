@@ -75,12 +75,17 @@ def test_every_header_compiles_alone():
 
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
-def test_the_module_compiles_for_avx2_and_plain_x86():
-    """The paths for CPUs without AVX512 (AVX2 only: x86-64-v3) and without AVX2 (the plain
-    fallback) compile too, wherever the test runs: a build is per machine, and the machine
-    that first builds them may be a user's."""
+def test_the_module_compiles_for_avx2_plain_x86_and_amx():
+    """The paths for CPUs without AVX512 (AVX2 only: x86-64-v3), without AVX2 (the plain
+    fallback) and with AMX (Sapphire Rapids: the AMX tiles' code, which no build on a CPU
+    without them compiles) compile too, wherever the test runs: a build is per machine, and
+    the machine that first builds them may be a user's."""
     source = (CSRC / "cpu_ops.cpp").read_text()
-    check_all([([compiler(), *compile_flags(march)], source) for march in ("x86-64-v3", "x86-64")])
+    marches = ["x86-64-v3", "x86-64"]
+    knows_amx = subprocess.run([compiler(), "-march=sapphirerapids", "-E", "-x", "c++", "-"],
+                               input="", capture_output=True, text=True).returncode == 0
+    marches += ["sapphirerapids"] * knows_amx  # a compiler that predates it: GCC < 11
+    check_all([([compiler(), *compile_flags(march)], source) for march in marches])
 
 
 def test_the_module_includes_every_header():
