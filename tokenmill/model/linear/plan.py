@@ -34,7 +34,8 @@ ONEDNN_TRIAL = "amx"
 # the oneDNN trial leaves them; off, by vdpbf16ps. On 2 cores of an Emerald Rapids Xeon the
 # default model's 121 projections took 12.8 / 14.8 / 20.5 / 74 ms on the tiles at 1 / 8 / 32 /
 # 128 rows, 14.9 / 18.4 / 62 / 247 by vdpbf16ps, 29 / 33 / 32 / 47 through oneDNN
-# (benchmarks/linear_kernels.py): the tiles lead up to 32 rows, oneDNN from 64-128
+# (benchmarks/linear_kernels.py, the 49,152-feature output layer included); the load's trial
+# over one decoder layer there kept the tiles up to 1,024 rows and chose oneDNN from 2,048
 AMX_TILES = True
 # Time, at load, packed bf16 weights' rows by vdpbf16ps against float32 FMAs over the widened
 # weight (csrc/bf16_gemm.h's WidenRows: the same bits) and take the FMAs from the rows where
