@@ -392,7 +392,10 @@ void packed_gemm_on(bool amx, int64_t widen_from, const at::Tensor& x, const at:
                           packed.size(1) * kPackCols * 2};
     return gemm_rows_on(amx, widen_from, x, src, blocks, epilogue, out_at);
   }
-  q8_gemm(x, packed, epilogue, out_at);
+  const int64_t rows = x.size(0), k_len = x.size(1);
+  const float* xf = WidenRows::prepare(
+      reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), rows, k_len);
+  q8_gemm(xf, rows, k_len, packed, epilogue, out_at);
 }
 
 at::Tensor linear_bf16_packed(const at::Tensor& x, const at::Tensor& packed,

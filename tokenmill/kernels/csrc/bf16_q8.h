@@ -5,8 +5,9 @@
 // number of rows (tiles of 1-8 rows x 2 column blocks, 9-16 rows x 1: each row its own
 // accumulators), so a row's sums do not depend on its batch; and they are x times the
 // weights the blocks stand for, not those weights rounded to bf16. x is widened to float32
-// once per call (exact). The layout is pack_f32_quant_weight's 8-bit one: per column block of
-// 16 features and group, 16 float32 scales then 32 x 16 int8 (k-major), 1.125 bytes per weight.
+// once per call (exact; bf16_gemm.h's WidenRows::prepare, as for bf16 rows on float32 FMAs).
+// The layout is pack_f32_quant_weight's 8-bit one: per column block of 16 features and group,
+// 16 float32 scales then 32 x 16 int8 (k-major), 1.125 bytes per weight.
 // Replaces dequantizing each task's blocks to bf16 for vdpbf16ps, which was slower than the
 // bf16 weights themselves at every row count.
 
@@ -25,37 +26,18 @@ namespace {
 constexpr int64_t kQ8Cols = 16;      // features per column block (one zmm of float32)
 constexpr int64_t kQ8TileRows = 16;  // rows per tile (one column block from 9 rows)
 constexpr int64_t kQ8RegisterRows = 32;  // up to this many rows the tiles widen the weights
+// the weights widen as the float32 GEMM's do (f32_gemm.h's f32q_scales / f32q_weights /
+// f32q_block over the same records), one Vec per column block
+static_assert(kQ8Cols == Vec::W);
 
 // Where a tile's weights come from: the records (`groups` of them per block from rec[b]),
-// widened as they are read; or a panel of them widened once per task (for many rows: the
-// same float32 values, read instead of widened again by every tile)
+// widened as they are read; or a panel of them widened once per task by f32q_block (for many
+// rows: the same float32 values, read instead of widened again by every tile)
 struct Q8Blocks {
   const uint8_t* const* rec;
-  const float* panel;  // [block][k][16] float32 scale * q, or nullptr
+  const float* panel;  // [block][k][16] float32 scale * q (f32q_block's layout), or nullptr
   int64_t k_len;
 };
-
-// block `b`'s 16 weights at k = g * 32 + i as float32 scale * q (exact: a float16 scale)
-inline __m512 q8_weights(const uint8_t* rec, int64_t g, int i, __m512 d) {
-  const int8_t* q = reinterpret_cast<const int8_t*>(rec + g * f32_quant_record(8) + kQ8Cols * 4);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * 16));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
-}
-
-inline __m512 q8_scales(const uint8_t* rec, int64_t g) {
-  return _mm512_loadu_ps(reinterpret_cast<const float*>(rec + g * f32_quant_record(8)));
-}
-
-// blocks rec[0 .. nb - 1] widened into `panel` (Q8Blocks' layout)
-inline void q8_widen(const uint8_t* const* rec, int nb, int64_t groups, float* panel) {
-  for (int b = 0; b < nb; ++b)
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512 d = q8_scales(rec[b], g);
-      float* p = panel + (b * groups * kF32QGroup + g * kF32QGroup) * kQ8Cols;
-      for (int i = 0; i < kF32QGroup; ++i)
-        _mm512_storeu_ps(p + i * kQ8Cols, q8_weights(rec[b], g, i, d));
-    }
-}
 
 // ROWS rows of float32 x (stride xs) times NB column blocks into out (row stride 32)
 template <int ROWS, int NB, bool kPanel>
@@ -64,9 +46,13 @@ void q8_tile(const float* x, int64_t xs, int64_t groups, const Q8Blocks& w, floa
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 d[NB];
+    const uint8_t* gr[NB];  // the group's records
+    Vec d[NB], z[NB];       // their scales (no offsets: z unused)
     if constexpr (!kPanel)
-      for (int b = 0; b < NB; ++b) d[b] = q8_scales(w.rec[b], g);
+      for (int b = 0; b < NB; ++b) {
+        gr[b] = w.rec[b] + g * f32_quant_record(8);
+        f32q_scales<8>(gr[b], d[b], z[b]);
+      }
     const float* xg = x + g * kF32QGroup;
     for (int i = 0; i < kF32QGroup; ++i) {
       __m512 wv[NB];
@@ -74,7 +60,7 @@ void q8_tile(const float* x, int64_t xs, int64_t groups, const Q8Blocks& w, floa
         if constexpr (kPanel)
           wv[b] = _mm512_loadu_ps(w.panel + (b * w.k_len + g * kF32QGroup + i) * kQ8Cols);
         else
-          wv[b] = q8_weights(w.rec[b], g, i, d[b]);
+          wv[b] = f32q_weights<8>(gr[b], d[b], z[b], i).v;
       }
       for (int r = 0; r < ROWS; ++r) {
         const __m512 xv = _mm512_set1_ps(xg[r * xs + i]);
@@ -111,37 +97,31 @@ inline void q8_task_rows(const float* x, int64_t xs, int64_t groups, int64_t row
   }
 }
 
-// q8_gemm's thread_buffer slots: the calling thread's x widened to float32, a worker's panel
-struct Q8Rows;
-enum Q8Buffer { kQ8RowsF32, kQ8Panel };
+// q8_gemm's thread_buffer for a worker's panel
+struct Q8Panel;
 
 // x W^T over an 8-bit weight packed by pack_f32_quant_weight, task by task (a pair of column
-// blocks, a trailing odd block alone), every row in tiles of up to kQ8TileRows rows.
+// blocks, a trailing odd block alone), every row in tiles of up to kQ8TileRows rows. xf: x's
+// `rows` rows widened to float32, k_len apart (bf16_gemm.h's WidenRows::prepare).
 // epilogue(row, acc, b0, nb) and out_at(row, b0) as packed_gemm's (bf16_gemm.h).
 template <typename Epilogue, typename OutAt>
-void q8_gemm(const at::Tensor& x, const at::Tensor& packed, const Epilogue& epilogue,
-             const OutAt& out_at) {
-  const int64_t rows = x.size(0), k_len = x.size(1), xs = x.stride(0);
+void q8_gemm(const float* xf, int64_t rows, int64_t k_len, const at::Tensor& packed,
+             const Epilogue& epilogue, const OutAt& out_at) {
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   const int64_t block_bytes = groups * packed.size(2);
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  float* const xf = thread_buffer<float, Q8Rows, kQ8RowsF32>(rows * k_len);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t k = 0; k < k_len; k += 16) Vec::load(xp + r * xs + k).store(xf + r * k_len + k);
-  });
   const uint8_t* q = packed.data_ptr<uint8_t>();
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     float scratch[kQ8TileRows * 32];
     // more rows than kQ8RegisterRows share a panel per task; fewer widen in registers
     float* const panel = rows > kQ8RegisterRows
-                             ? thread_buffer<float, Q8Rows, kQ8Panel>(2 * k_len * kQ8Cols)
+                             ? thread_buffer<float, Q8Panel>(2 * k_len * kQ8Cols)
                              : nullptr;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = 2 * t;
       const int nb = b0 + 1 < blocks ? 2 : 1;
       const uint8_t* rec[2] = {q + b0 * block_bytes, q + (b0 + nb - 1) * block_bytes};
-      if (panel) q8_widen(rec, nb, groups, panel);
+      if (panel)
+        for (int b = 0; b < nb; ++b) f32q_block<8>(rec[b], groups, panel + b * k_len * kQ8Cols);
       const Q8Blocks w{rec, panel, k_len};
       for (int64_t r0 = 0; r0 < rows; r0 += kQ8TileRows) {
         const int64_t rr = std::min(kQ8TileRows, rows - r0);
