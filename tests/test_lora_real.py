@@ -25,7 +25,10 @@ ADAPTERS = {  # name -> PEFT LoraConfig arguments
                                     "up_proj", "down_proj"]),
 }
 NEW_TOKENS = 16
-LOGITS_TOL = 1e-4
+# float32 against transformers' float32: the same sums in another order, 30 layers deep (the
+# rank-16 adapter on every projection measured 1.07e-4 on one thread, 6.6e-5 for the base
+# model); an adapter moves the logits by more than 0.5, so the bound keeps its teeth
+LOGITS_TOL = 2e-4
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,7 @@ def served(references):
 
 def test_logits_under_each_adapter_match_peft_merge(references, served):
     """One batch: the prompt under the base model and under each adapter. Each adapter's logits
-    are within 1e-4 of its merged model's -- or, on a CPU where tokenmill's float32 base model
+    are within 2e-4 of its merged model's -- or, on a CPU where tokenmill's float32 base model
     is already further than that from transformers', no further than the base is."""
     base, tok, adapters = references
     llm, loras = served
