@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ imports tests.*
 
 from machine import machine  # noqa: E402  (benchmarks/machine.py)
-from test_attention import make_case  # noqa: E402  (random paged batches)
+from tests.test_attention import make_case  # noqa: E402  (random paged batches)
 
 from tokenmill.attention import get_backend  # noqa: E402
 from tokenmill.runner.batch import build_flat_batch  # noqa: E402

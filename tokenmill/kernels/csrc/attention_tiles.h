@@ -249,18 +249,36 @@ inline __m512bh broadcast_pair(const uint16_t* p) {  // the bf16 pair p[0], p[1]
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x)));
 }
 
-// scores of R query rows (bf16, row stride N * 16) for the 16 keys at kt[.. + kc], times scale
-template <int64_t N, int64_t R>
-inline void rows_scores_bf16(const uint16_t* q, const uint16_t* kt, int64_t block_size,
-                             int64_t kc, float scale, float* sc, int64_t sc_stride) {
+// The pairs vdpbf16ps multiplies, read in place for a tile or two of rows and made once into
+// a scratch buffer for more (where the permutes / unpacks would repeat per row tile): the same
+// pairs either way, so the same sums.
+//
+// Keys: kpair(d) is, for the 16 keys at kc and dims d, d + 1, the (k_d, k_d+1) pairs (32 bf16).
+struct KeyPairsInPlace {
+  const uint16_t* kt;  // the block's transposed keys, from key kc on
+  int64_t block_size;
+  __m512bh operator()(int64_t d) const {
+    return reinterpret_cast<__m512bh>(
+        load_key_pairs(kt + d * block_size, kt + (d + 1) * block_size));
+  }
+};
+
+struct KeyPairsMade {
+  const uint16_t* kp;  // KeyPairsInPlace's pairs for d = 0, 2, .., D - 2, 32 bf16 each
+  __m512bh operator()(int64_t d) const {
+    return reinterpret_cast<__m512bh>(_mm512_loadu_si512(kp + d / 2 * 32));
+  }
+};
+
+// scores of R query rows (bf16, row stride N * 16) for 16 keys, times scale
+template <int64_t N, int64_t R, typename Pairs>
+inline void rows_scores_bf16(const uint16_t* q, const Pairs& kpair, float scale, float* sc,
+                             int64_t sc_stride) {
   constexpr int64_t D = N * 16;
   __m512 a[R], b[R];
   for (int64_t r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 4) {  // two chains per row, as rows_scores
-    const __m512bh k0 = reinterpret_cast<__m512bh>(
-        load_key_pairs(kt + d * block_size + kc, kt + (d + 1) * block_size + kc));
-    const __m512bh k1 = reinterpret_cast<__m512bh>(
-        load_key_pairs(kt + (d + 2) * block_size + kc, kt + (d + 3) * block_size + kc));
+    const __m512bh k0 = kpair(d), k1 = kpair(d + 2);
     for (int64_t r = 0; r < R; ++r) {
       a[r] = _mm512_dpbf16_ps(a[r], k0, broadcast_pair(q + r * D + d));
       b[r] = _mm512_dpbf16_ps(b[r], k1, broadcast_pair(q + r * D + d + 2));
@@ -268,38 +286,72 @@ inline void rows_scores_bf16(const uint16_t* q, const uint16_t* kt, int64_t bloc
   }
   const __m512 s = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < R; ++r)
-    _mm512_storeu_ps(sc + r * sc_stride + kc, _mm512_mul_ps(_mm512_add_ps(a[r], b[r]), s));
+    _mm512_storeu_ps(sc + r * sc_stride, _mm512_mul_ps(_mm512_add_ps(a[r], b[r]), s));
 }
 
+constexpr int64_t kScoreRowsBf16 = 8;  // 16 accumulators
+
+// the scores of nrows query rows for one block's keys; kp: scratch of N * 16 * 16 bf16
 template <int64_t N>
 void block_scores_bf16(const uint16_t* qbuf, const uint16_t* kt, float scale, float* sc,
-                       int64_t sc_stride, int64_t nrows, int64_t nvalid, int64_t block_size) {
-  for (int64_t kc = 0; kc < nvalid; kc += 16)
-    row_tiles<4>(nrows, [&](auto tile, int64_t row) {
-      rows_scores_bf16<N, decltype(tile)::value>(qbuf + row * N * 16, kt, block_size, kc, scale,
-                                                 sc + row * sc_stride, sc_stride);
-    });
+                       int64_t sc_stride, int64_t nrows, int64_t nvalid, int64_t block_size,
+                       uint16_t* kp) {
+  constexpr int64_t D = N * 16;
+  for (int64_t kc = 0; kc < nvalid; kc += 16) {
+    const KeyPairsInPlace in_place{kt + kc, block_size};
+    auto rows = [&](const auto& pairs) {
+      row_tiles<kScoreRowsBf16>(nrows, [&](auto tile, int64_t row) {
+        rows_scores_bf16<N, decltype(tile)::value>(qbuf + row * D, pairs, scale,
+                                                   sc + row * sc_stride + kc, sc_stride);
+      });
+    };
+    if (nrows <= 2 * kScoreRowsBf16) {
+      rows(in_place);
+      continue;
+    }
+    for (int64_t d = 0; d < D; d += 2)
+      _mm512_storeu_si512(kp + d / 2 * 32, reinterpret_cast<__m512i>(in_place(d)));
+    rows(KeyPairsMade{kp});
+  }
 }
 
+// Values: pairs(s, c, lo, hi) gives, for keys s, s + 1 (s even) of a softmax step's nkeys
+// (blocks of block_size, even, one after another) and values 32 c .. 32 c + 31, V's two rows
+// interleaved (unpacklo, unpackhi); a key past nkeys as zeros (its slot may hold anything).
+struct ValuePairsInPlace {
+  const uint16_t* const* rows;  // rows[s / 2]: key s's V row of this head (in its block)
+  int64_t v_stride, nkeys;
+  void operator()(int64_t s, int64_t c, __m512bh& lo, __m512bh& hi) const {
+    const uint16_t* v0 = rows[s / 2] + 32 * c;
+    const __m512i x = _mm512_loadu_si512(v0);
+    const __m512i y = s + 1 < nkeys ? _mm512_loadu_si512(v0 + v_stride) : _mm512_setzero_si512();
+    lo = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x, y));
+    hi = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x, y));
+  }
+};
+
+template <int64_t C>
+struct ValuePairsMade {
+  const uint16_t* vp;  // ValuePairsInPlace's lo, hi for each (s / 2, c), 64 bf16 each
+  void operator()(int64_t s, int64_t c, __m512bh& lo, __m512bh& hi) const {
+    const uint16_t* at = vp + (s / 2 * C + c) * 64;
+    lo = reinterpret_cast<__m512bh>(_mm512_loadu_si512(at));
+    hi = reinterpret_cast<__m512bh>(_mm512_loadu_si512(at + 32));
+  }
+};
+
 // acc[row] += sum_s p[row][s] * V[s] for R rows, keys two at a time; p in bf16 (zero beyond
-// what a row sees), a key past nvalid multiplied as zeros (its slot may hold anything)
-template <int64_t N, int64_t R>
-inline void rows_values_bf16(const uint16_t* pb, int64_t pb_stride, const uint16_t* vblock,
-                             int64_t v_stride, float* acc, int64_t nvalid) {
+// what a row sees)
+template <int64_t N, int64_t R, typename Pairs>
+inline void rows_values_bf16(const uint16_t* pb, int64_t pb_stride, const Pairs& pairs,
+                             float* acc, int64_t nkeys) {
   constexpr int64_t C = N / 2, D = N * 16;  // C chunks of 32 values per row
   __m512 a[R][2 * C];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < 2 * C; ++j) a[r][j] = _mm512_loadu_ps(acc + r * D + 16 * j);
-  for (int64_t s = 0; s < nvalid; s += 2) {
-    const uint16_t* v0 = vblock + s * v_stride;
-    const bool both = s + 1 < nvalid;
+  for (int64_t s = 0; s < nkeys; s += 2) {
     __m512bh lo[C], hi[C];
-    for (int64_t c = 0; c < C; ++c) {
-      const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
-      const __m512i y = both ? _mm512_loadu_si512(v0 + v_stride + 32 * c) : _mm512_setzero_si512();
-      lo[c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(x, y));
-      hi[c] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(x, y));
-    }
+    for (int64_t c = 0; c < C; ++c) pairs(s, c, lo[c], hi[c]);
     for (int64_t r = 0; r < R; ++r) {
       const __m512bh p = broadcast_pair(pb + r * pb_stride + s);
       for (int64_t c = 0; c < C; ++c) {
@@ -312,18 +364,30 @@ inline void rows_values_bf16(const uint16_t* pb, int64_t pb_stride, const uint16
     for (int64_t j = 0; j < 2 * C; ++j) _mm512_storeu_ps(acc + r * D + 16 * j, a[r][j]);
 }
 
+// acc[row] += sum_s p[row][s] * V[s] over a softmax step's nkeys keys, tiles of rows whose
+// accumulators stay in registers across its blocks (each row's sums in the order of one block
+// at a time); vp: scratch of N * 16 * nkeys (rounded up to even) bf16
 template <int64_t N>
-void block_values_bf16(const uint16_t* pb, int64_t pb_stride, const uint16_t* vblock,
-                       int64_t v_stride, float* acc, int64_t nrows, int64_t nvalid) {
+void block_values_bf16(const uint16_t* pb, int64_t pb_stride, const ValuePairsInPlace& v,
+                       float* acc, int64_t nrows, uint16_t* vp) {
   constexpr int64_t C = N / 2, D = N * 16;
-  constexpr int64_t R = C <= 1 ? 8 : C == 2 ? 4 : C <= 4 ? 2 : 1;  // <= 16 accumulators
-  int64_t row = 0;
-  for (; row + R <= nrows; row += R)
-    rows_values_bf16<N, R>(pb + row * pb_stride, pb_stride, vblock, v_stride, acc + row * D,
-                           nvalid);
-  for (; row < nrows; ++row)
-    rows_values_bf16<N, 1>(pb + row * pb_stride, pb_stride, vblock, v_stride, acc + row * D,
-                           nvalid);
+  constexpr int64_t R = C <= 1 ? 8 : C == 2 ? 6 : C == 3 ? 3 : C == 4 ? 2 : 1;  // <= 24 acc.
+  auto rows = [&](const auto& pairs) {
+    int64_t row = 0;
+    for (; row + R <= nrows; row += R)
+      rows_values_bf16<N, R>(pb + row * pb_stride, pb_stride, pairs, acc + row * D, v.nkeys);
+    for (; row < nrows; ++row)
+      rows_values_bf16<N, 1>(pb + row * pb_stride, pb_stride, pairs, acc + row * D, v.nkeys);
+  };
+  if (nrows <= 2 * R) return rows(v);
+  for (int64_t s = 0; s < v.nkeys; s += 2)
+    for (int64_t c = 0; c < C; ++c) {
+      __m512bh lo, hi;
+      v(s, c, lo, hi);
+      _mm512_storeu_si512(vp + (s / 2 * C + c) * 64, reinterpret_cast<__m512i>(lo));
+      _mm512_storeu_si512(vp + (s / 2 * C + c) * 64 + 32, reinterpret_cast<__m512i>(hi));
+    }
+  rows(ValuePairsMade<C>{vp});
 }
 
 // n float32 probabilities -> bf16 (round to nearest even), n a multiple of 16

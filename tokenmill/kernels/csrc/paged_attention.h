@@ -104,6 +104,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     const int64_t span = kChunk * block_size;  // keys of one softmax step
     std::vector<float> qbuf, acc, m, l, sc, tmp(head_dim), ks(span), vs(span);
     std::vector<uint16_t> qb, pb;  // kDot: the queries and probabilities in bf16
+    // kDot: 16 keys' K or a softmax step's V in vdpbf16ps pairs, made once for many row tiles
+    std::vector<uint16_t> kv_pairs(kDot ? kChunk * block_size * head_dim : 0);
+    std::vector<const uint16_t*> v_rows(kDot ? span / 2 : 0);
     for (int64_t it; take(it);) {
       const WorkItem& w = items[it];
       const int64_t nrows = (w.t1 - w.t0) * group;
@@ -182,7 +185,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           if constexpr (kDot)
             block_scores_bf16<N>(qb.data(), reinterpret_cast<const uint16_t*>(kt),
                                  static_cast<float>(scale), sblock, span, nrows, nvalid,
-                                 block_size);
+                                 block_size, kv_pairs.data());
           else
 #endif
             block_scores<N>(qbuf.data(), kt, ks.data() + i * block_size, sblock, span, nrows,
@@ -217,19 +220,24 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           if constexpr (kDot) probs_to_bf16(srow, &pb[row * span], nb * block_size);
 #endif
         }
+#if defined(__AVX512BF16__)
+        if constexpr (kDot) {  // each row tile over all of the step's keys
+          for (int64_t i = 0, s = 0; i < nb; ++i) {  // block_size even: a pair in one block
+            const C* v = vp + table[b0 + i] * block_size * v_stride + w.kv_head * row_len;
+            for (int64_t j = 0; j < block_size && s < nkeys; j += 2, s += 2)
+              v_rows[s / 2] = reinterpret_cast<const uint16_t*>(v + j * v_stride);
+          }
+          block_values_bf16<N>(pb.data(), span, {v_rows.data(), v_stride, nkeys}, acc.data(),
+                               nrows, kv_pairs.data());
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < nb; ++i) {
           const int64_t b = b0 + i;
           const int64_t nvalid = std::min(block_size, kmax - b * block_size);
           const C* vblock = vp + table[b] * block_size * v_stride + w.kv_head * row_len;
-#if defined(__AVX512BF16__)
-          if constexpr (kDot)
-            block_values_bf16<N>(pb.data() + i * block_size, span,
-                                 reinterpret_cast<const uint16_t*>(vblock), v_stride, acc.data(),
-                                 nrows, nvalid);
-          else
-#endif
-            block_values<N>(sc.data() + i * block_size, span, vblock, v_stride, acc.data(),
-                            nrows, nvalid);
+          block_values<N>(sc.data() + i * block_size, span, vblock, v_stride, acc.data(), nrows,
+                          nvalid);
         }
       }
       for (int64_t row = 0; row < nrows; ++row) {
