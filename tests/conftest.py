@@ -31,7 +31,7 @@ def _own_cores() -> None:
     cores = sorted(os.sched_getaffinity(0))
     index, count = int(worker.removeprefix("gw")), int(count)
     if len(cores) >= count:
-        mine = cores[index % count::count]
+        mine = cores[index::count]
         os.sched_setaffinity(0, mine)
         import torch
 

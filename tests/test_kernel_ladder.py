@@ -22,6 +22,7 @@ import pytest
 
 from tokenmill.kernels import cpu as cpu_kernels
 from tokenmill.kernels.ladder import HELPERS, LADDER, Rung, table
+from tokenmill.platform import usable_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = cpu_kernels.CSRC
@@ -58,7 +59,7 @@ def syntax_check(cmd: list[str], source: str) -> tuple[str, str]:
 
 def check_all(jobs: list[tuple[list[str], str]]) -> None:
     """Each (compiler command, source) at once, a job per core; fails with every error."""
-    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+    with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
         results = list(pool.map(lambda job: syntax_check(*job), jobs))
     errors = [f"{what}:\n{err}" for what, err in results if err]
     assert not errors, "\n\n".join(errors)
