@@ -1,14 +1,18 @@
-"""GGUF files written the way llama.cpp writes them load into the same model as the weights."""
+"""GGUF files written the way llama.cpp writes them load into the same model as the weights, and
+tokenmill's index of a file is the gguf package's."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tests.tiny_models import make_hf_model, write_tiny_gguf
+from tokenmill.errors import ModelLoadError
 from tokenmill.model.loader import load_model
 from tokenmill.runner.batch import Chunk
 from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.tokenizer.gguf_meta import read_gguf_index
 
 CASES = [
     ("llama", "llama", "F32", 1e-4),
@@ -34,3 +38,50 @@ def test_gguf_logits_match_source_weights(tmp_path, hf_arch, gguf_arch, qtype, t
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() <= tol
+
+
+# ----- the file's index: tokenmill's reader against the gguf package's ---------------------
+
+
+def same_index(path) -> int:
+    """tokenmill's index of ``path`` equals ``gguf.GGUFReader``'s: every metadata value, and per
+    tensor its name, type, shape and every byte of its data in the same numpy shape and dtype.
+    Returns the number of tensors."""
+    import gguf
+
+    ours, theirs = read_gguf_index(path), gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields == fields
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, a.shape) == (b.tensor_type, tuple(b.shape.tolist())), a.name
+        assert (a.data.dtype, a.data.shape) == (b.data.dtype, b.data.shape), a.name
+        assert np.array_equal(a.data, b.data), a.name
+    return len(ours.tensors)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_index_matches_the_gguf_package(tmp_path, qtype):
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_tiny_gguf(make_hf_model("qwen3"), path, "qwen3", qtype)
+    assert same_index(path) > 10
+
+
+@pytest.mark.slow  # the real model: 272 tensors, a 49,152-token vocabulary
+def test_index_of_the_default_model_matches_the_gguf_package(default_gguf_path):
+    assert same_index(default_gguf_path) == 272
+
+
+def test_index_refuses_a_duplicate_name_and_a_tensor_past_the_end(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(make_hf_model("llama"), path, "llama", "Q8_0")
+    raw = path.read_bytes()
+    twice = tmp_path / "twice.gguf"  # names of one length, so every offset stays where it was
+    twice.write_bytes(raw.replace(b"blk.0.attn_k.weight", b"blk.0.attn_q.weight"))
+    with pytest.raises(ModelLoadError, match="twice.gguf.*'blk.0.attn_q.weight' appears twice"):
+        read_gguf_index(twice)
+    short = tmp_path / "short.gguf"
+    short.write_bytes(raw[:-100])
+    with pytest.raises(ModelLoadError, match="short.gguf.*runs past the end of the file"):
+        read_gguf_index(short)
+    assert read_gguf_index(path).tensors  # the intact file reads

@@ -432,7 +432,8 @@ def test_unknown_quantization_is_refused():
 @pytest.mark.slow  # the real model
 def test_default_model_keeps_its_gguf_blocks(default_gguf_path):
     """The default model's Q4_1 layers and Q8_0 table, repacked: the weights equal the float
-    model's (which dequantizes the same blocks through the gguf package), q/k rows included."""
+    model's (the same blocks dequantized at load, which test_gguf_blocks_kept_exactly holds to
+    the gguf package's values), q/k rows included."""
     dense = load_model(str(default_gguf_path), "cpu", "float32", "torch", "none")
     kept = load_model(str(default_gguf_path), "cpu", "float32", "torch", "auto")
     # + " (int8 activations: ...)" where the VNNI kernels take them

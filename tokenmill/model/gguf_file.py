@@ -17,8 +17,9 @@ import torch
 
 from tokenmill.config import ModelConfig, RopeScaling
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.quant import GGUF_BLOCKS, QuantWeight, from_gguf_blocks
+from tokenmill.model.quant import GGUF_BLOCKS, QuantWeight, dequantize, from_gguf_blocks
 from tokenmill.model.registry import GGUF_ARCHES, family, family_config_gguf
+from tokenmill.tokenizer.gguf_meta import GgufIndex, read_gguf_index
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -38,37 +39,28 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-# The reader last opened: a load-time plan reads the config (make_plan), then the loader reads
-# the weights, from one parse (GGUFReader indexes the whole file: seconds for a 50k vocabulary).
-# The engine's build drops it once the weights are in (release_gguf).
-_OPEN: dict[tuple[str, float], object] = {}
+# The index last read: a load-time plan reads the config (make_plan), then the loader reads
+# the weights, from one parse. The engine's build drops it once the weights are in
+# (release_gguf), which unmaps the file.
+_OPEN: dict[tuple[str, float], GgufIndex] = {}
 
 
-def open_gguf(path: Path):
-    import gguf
-
+def open_gguf(path: Path) -> GgufIndex:
     key = (str(path), Path(path).stat().st_mtime)
-    if key in _OPEN:
-        return _OPEN[key]
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises assorted errors on truncated/corrupt files
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
-    _OPEN.clear()
-    _OPEN[key] = reader
-    return reader
+    if key not in _OPEN:
+        index = read_gguf_index(path)
+        _OPEN.clear()
+        _OPEN[key] = index
+    return _OPEN[key]
 
 
 def release_gguf() -> None:
-    """Forget the reader ``open_gguf`` keeps (its per-element views cost tens of MB)."""
+    """Forget the index ``open_gguf`` keeps (and with it the file's mapping)."""
     _OPEN.clear()
 
 
-def field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def field(reader: GgufIndex, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def gguf_model_config(reader, path: Path) -> ModelConfig:
@@ -85,7 +77,7 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
 
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     names = {t.name for t in reader.tensors}
-    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
     cfg = ModelConfig(
         architecture=GGUF_ARCHES[arch],
         vocab_size=int(vocab),
@@ -103,7 +95,8 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(x for x in [field(reader, "tokenizer.ggml.eos_token_id")] if x is not None),
+        eos_token_ids=tuple(x for x in [field(reader, "tokenizer.ggml.eos_token_id")]
+                            if x is not None),
         sliding_window=int(field(reader, f"{arch}.attention.sliding_window") or 0) or None,
     )
     return family_config_gguf(reader, arch, cfg)
@@ -169,12 +162,14 @@ def gguf_weights(reader, cfg: ModelConfig, path: Path, keep_quantized: bool = Fa
         qtype = tensor.tensor_type.name
         shape = tuple(int(d) for d in reversed(tensor.shape))  # innermost dimension last
         w: torch.Tensor | QuantWeight
-        if keep_quantized and qtype in GGUF_BLOCKS and len(shape) == 2:
+        if qtype in GGUF_BLOCKS and len(shape) == 2:
             try:
                 w = from_gguf_blocks(np.asarray(tensor.data), qtype, shape)
             except ValueError as e:
                 raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({qtype}) is corrupt: "
                                      f"{e}") from e
+            if not keep_quantized:  # the values gguf.quants gives, bit for bit, in half the time
+                w = dequantize(w)
         else:
             w = torch.from_numpy(_dequantize(tensor, path))
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -198,7 +193,7 @@ def _hf_name(name: str, path: Path, cfg: ModelConfig) -> str:
 
 def _dequantize(tensor, path: Path) -> np.ndarray:
     import gguf
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize as gguf_dequantize
 
     qtype = tensor.tensor_type
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
@@ -208,16 +203,18 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
         elif qtype == gguf.GGMLQuantizationType.F16:
             data = np.asarray(tensor.data).astype(np.float32)
         else:
-            data = dequantize(tensor.data, qtype)
+            data = gguf_dequantize(tensor.data, qtype)
     except NotImplementedError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name!r} has type {qtype.name}, which "
                              "tokenmill cannot dequantize") from e
     except (ValueError, TypeError) as e:
-        raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({qtype.name}) is corrupt: {e}") from e
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({qtype.name}) is corrupt: "
+                             f"{e}") from e
     return np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
 
 
 def _undo_qk_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     # llama.cpp stored, per head, rows (0, d/2, 1, d/2+1, ...) pairwise; swap back to halves.
     rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    pairs = w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+    return pairs.transpose(1, 2).reshape(w.shape)

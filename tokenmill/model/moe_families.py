@@ -159,28 +159,27 @@ def hf_gpt_oss(raw: dict, cfg: ModelConfig) -> ModelConfig:
                               swiglu_limit=float(raw.get("swiglu_limit", 7.0))))
 
 
-def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def gguf_llama(reader, arch: str, cfg: ModelConfig) -> ModelConfig:
     """A "llama" GGUF with ``llama.expert_count`` is Mixtral (llama.cpp's converter says so)."""
-    experts = int(_gguf_field(reader, f"{arch}.expert_count", 0) or 0)
+    from tokenmill.model.gguf_file import field
+
+    experts = int(field(reader, f"{arch}.expert_count", 0) or 0)
     if not experts:
         return cfg
     return replace(cfg, architecture="mixtral", num_experts=experts,
-                   num_experts_per_tok=int(_gguf_field(reader, f"{arch}.expert_used_count")),
+                   num_experts_per_tok=int(field(reader, f"{arch}.expert_used_count")),
                    moe_intermediate_size=cfg.intermediate_size, extra=dict(norm_topk_prob=True))
 
 
 def gguf_qwen_moe(reader, arch: str, cfg: ModelConfig) -> ModelConfig:
     """qwen3moe (top-k renormalised, q/k norm) and qwen2moe (a shared expert) GGUFs."""
+    from tokenmill.model.gguf_file import field
+
     qwen2 = arch == "qwen2moe"
-    inter = int(_gguf_field(reader, f"{arch}.expert_feed_forward_length"))
-    norm = bool(_gguf_field(reader, f"{arch}.expert_weights_norm", not qwen2))
-    shared = int(_gguf_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
-    return replace(cfg, num_experts=int(_gguf_field(reader, f"{arch}.expert_count")),
-                   num_experts_per_tok=int(_gguf_field(reader, f"{arch}.expert_used_count")),
+    inter = int(field(reader, f"{arch}.expert_feed_forward_length"))
+    norm = bool(field(reader, f"{arch}.expert_weights_norm", not qwen2))
+    shared = int(field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
+    return replace(cfg, num_experts=int(field(reader, f"{arch}.expert_count")),
+                   num_experts_per_tok=int(field(reader, f"{arch}.expert_used_count")),
                    moe_intermediate_size=inter,
                    extra=dict(norm_topk_prob=norm, shared_expert_intermediate_size=shared))
