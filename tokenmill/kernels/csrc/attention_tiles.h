@@ -238,8 +238,10 @@ inline __m512i load_key_pairs(const uint16_t* k0, const uint16_t* k1) {
   alignas(64) static const uint16_t kIdx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
                                                 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
                                                 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0)));
-  const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1)));
+  const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+      k0)));
+  const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+      k1)));
   return _mm512_permutex2var_epi16(a, _mm512_load_si512(kIdx), b);
 }
 

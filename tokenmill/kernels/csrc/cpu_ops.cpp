@@ -29,7 +29,7 @@
 //   decoder_step.h     DecoderStack: a model's decoder layers in one call (with the above,
 //                      under tensor parallelism, and LoRA rows)
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 and at::Tensor's caster
 
 #include "a8_gemm.h"
 #include "bf16_amx.h"

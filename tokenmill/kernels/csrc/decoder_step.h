@@ -56,7 +56,8 @@
 
 #pragma once
 
-#include <torch/extension.h>  // pybind11, for register_decoder_step
+#include <ATen/TensorOperators.h>  // tensor + tensor, tensor * scalar
+#include <torch/csrc/utils/pybind.h>  // pybind11 and at::Tensor's caster
 
 #include "bf16_gemm.h"
 #include "common.h"

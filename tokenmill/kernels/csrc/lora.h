@@ -21,7 +21,7 @@
 // tile or batch it is in, so a row's result does not depend on the rows beside it.
 #pragma once
 
-#include <torch/extension.h>  // pybind11, for register_lora
+#include <torch/csrc/utils/pybind.h>  // pybind11 and at::Tensor's caster
 
 #include "common.h"
 #include "layer_ops.h"

@@ -14,7 +14,8 @@
 // eager path.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/TensorOperators.h>  // tensor + tensor, tensor * scalar
+#include <torch/csrc/utils/pybind.h>  // pybind11 and at::Tensor's caster
 
 #include "bf16_gemm.h"
 #include "common.h"

@@ -39,7 +39,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <time.h>
-#include <torch/extension.h>  // pybind11, for register_shm_allreduce
+#include <torch/csrc/utils/pybind.h>  // pybind11 and at::Tensor's caster
 #include <unistd.h>
 
 #include <atomic>
