@@ -12,7 +12,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model.loader import load_model
 from tokenmill.runner.batch import Chunk
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.tokenizer.gguf_meta import read_gguf_index
+from tokenmill.gguf_meta import read_gguf_index
 
 CASES = [
     ("llama", "llama", "F32", 1e-4),

@@ -3,7 +3,7 @@ incremental detokenizer. Imports tokenizers/jinja2 only (never torch or transfor
 
 from tokenmill.tokenizer.chat_template import ChatTemplateError
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
-from tokenmill.tokenizer.gguf_meta import read_gguf_metadata
+from tokenmill.gguf_meta import read_gguf_metadata
 from tokenmill.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer", "load_tokenizer",

@@ -20,7 +20,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model_source import resolve_model
 from tokenmill.tokenizer.chat_template import (DEFAULT_TEMPLATE_NAME, render_chat,
                                                select_template)
-from tokenmill.tokenizer.gguf_meta import read_gguf_metadata
+from tokenmill.gguf_meta import read_gguf_metadata
 from tokenmill.tokenizer.gguf_vocab import GGUFVocab, build_backend
 
 # Longer texts are encoded through the batch call, which lets go of the GIL while it works (the
