@@ -11,9 +11,9 @@ the CPU time of the idle ones is recorded during every run to show it). Then, fo
 benchmark point, the same requests go to one engine after the other, so slow drift of the
 machine is spread over all of them rather than landing on one; each point starts with another
 engine, and each engine gets up to 8 warm-up requests at once before its run (with two
-warm-up requests one at a time, the engine going first ran up to a quarter slower). Each point has its own seed, so
-no point repeats another's prompts and no prefix cache is warm from an earlier point; the
-warm-up requests have prompts of their own.
+warm-up requests one at a time, the engine going first ran up to a quarter slower). Each point
+has its own seed, so no point repeats another's prompts and no prefix cache is warm from an earlier
+point; the warm-up requests have prompts of their own.
 
 Points (``tokenmill bench serve`` settings, ignore_eos, temperature 0, streamed):
 random 128 in / 128 out, 64 prompts, concurrency 8, 32 and 1; shared-prefix, 4 groups of 16
@@ -151,7 +151,8 @@ def markdown(data: dict) -> str:
                 f"{fmt_ms(s['tpot']['median_ms'])} | {fmt_ms(s['itl']['p99_ms'])} | "
                 f"{fmt_ms(s['e2el']['median_ms'])} | {s.get('others_cpu_s', 0):.1f} s |")
     if data.get("startup_s"):
-        lines += ["", "| engine | start-up (until /v1/models answers) | peak RSS (all its processes) |",
+        lines += ["",
+                  "| engine | start-up (until /v1/models answers) | peak RSS (all its processes) |",
                   "|---|---|---|"]
         for name, secs in data["startup_s"].items():
             rss = data.get("peak_rss_mib", {}).get(name)

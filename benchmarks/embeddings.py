@@ -8,12 +8,12 @@ unless ``--model`` names a sentence-transformers directory. Sentences are determ
 words. Each side embeds the same sentences in batches of the given size after a warm-up; the
 sides take turns and each one's best of ``--repeats`` runs counts (a busy spell of the machine
 hits both alike; sentence-transformers keeps the thread count tokenmill started with, which
-its thread governor may lower for its own forwards). tokenmill runs in its default dtype (``--dtype auto``:
-bfloat16 where the CPU multiplies it natively), sentence-transformers in float32 (its default).
-Prints one JSON object: the CPU and its instruction sets, both dtypes and thread counts,
-sentences per second per side and batch, tokenmill's share of the time in the model's forward
-(the rest: tokenizing, scheduling, pooling, outputs) and the lowest cosine similarity between
-the two sides' embeddings.
+its thread governor may lower for its own forwards). tokenmill runs in its default dtype
+(``--dtype auto``: bfloat16 where the CPU multiplies it natively), sentence-transformers in float32
+(its default). Prints one JSON object: the CPU and its instruction sets, both dtypes and thread
+counts, sentences per second per side and batch, tokenmill's share of the time in the model's
+forward (the rest: tokenizing, scheduling, pooling, outputs) and the lowest cosine similarity
+between the two sides' embeddings.
 """
 
 from __future__ import annotations

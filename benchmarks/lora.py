@@ -173,7 +173,8 @@ def table(result: dict) -> str:
              f"{m.get('auto_dtype')}; rank {result['rank']}, "
              f"c={result['concurrency']}, {result['num_prompts']} prompts of "
              f"{result['input_len']} tokens, {result['output_len']} out",
-             "", "| setup | output tok/s | vs base (LoRA off) | TPOT p50 (ms) | TTFT p50 / p99 (ms) |",
+             "",
+             "| setup | output tok/s | vs base (LoRA off) | TPOT p50 (ms) | TTFT p50 / p99 (ms) |",
              "|---|---|---|---|---|"]
     for setup, r in result["results"].items():
         lines.append(f"| {setup} | {r['output_throughput']:.1f} | "

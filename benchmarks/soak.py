@@ -316,7 +316,8 @@ def block_counts(gauges: dict, info: dict) -> dict:
 
 class SoakPeer(TokenmillPeer):
     """compare.py's tokenmill launch with another model and extra flags, oneDNN's two shape
-    caches at ``onednn_cache`` entries (0: as ``tokenmill serve`` chooses) and, for --debug-dumps, this file's dump wrapper in place of ``-m tokenmill.cli``."""
+    caches at ``onednn_cache`` entries (0: as ``tokenmill serve`` chooses) and, for --debug-dumps,
+    this file's dump wrapper in place of ``-m tokenmill.cli``."""
 
     def __init__(self, model: str, flags: list[str], dumps: Path | None, frames: int,
                  onednn_cache: int = 0):

@@ -223,7 +223,8 @@ class _RecordingChat:
         self.active -= 1
         reply = f"reply to {messages[-1]['content']}"
         events = [{"choices": [{"index": 0, "delta": {"content": reply}}]},
-                  {"choices": [], "usage": {"prompt_tokens": len(messages), "completion_tokens": 1}}]
+                  {"choices": [],
+                   "usage": {"prompt_tokens": len(messages), "completion_tokens": 1}}]
         body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
         return httpx.Response(200, content=body.encode(),
                               headers={"content-type": "text/event-stream"})
@@ -235,7 +236,8 @@ def _run_recorded(convs, max_concurrency):
     chat = _RecordingChat()
 
     async def go():
-        client = BenchClient(RunConfig("http://bench.invalid", "m", max_concurrency=max_concurrency),
+        client = BenchClient(RunConfig("http://bench.invalid", "m",
+                                       max_concurrency=max_concurrency),
                              lambda text: len(text.split()))
         await client.http.aclose()
         client.http = httpx.AsyncClient(base_url="http://bench.invalid",

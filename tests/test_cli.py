@@ -1,4 +1,5 @@
-"""The command line: `tokenmill generate` and the interactive `tokenmill chat` in a real terminal."""
+"""The command line: `tokenmill generate` and the interactive `tokenmill chat` in a real
+terminal."""
 
 from __future__ import annotations
 

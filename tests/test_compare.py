@@ -1,5 +1,6 @@
 """benchmarks/compare.py and benchmarks/peers/peers.py without any peer installed: the comparison
-runs against tokenmill alone and writes its table, JSON and plot; peers are skipped, never needed."""
+runs against tokenmill alone and writes its table, JSON and plot; peers are skipped, never
+needed."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _peers_module():
-    spec = importlib.util.spec_from_file_location("tokenmill_bench_peers", REPO / "benchmarks/peers/peers.py")
+    spec = importlib.util.spec_from_file_location("tokenmill_bench_peers",
+                                                  REPO / "benchmarks/peers/peers.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("tokenmill_bench_peers", mod)  # dataclasses look their module up
     spec.loader.exec_module(mod)
@@ -30,7 +32,8 @@ def test_compare_quick_with_tokenmill_only(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks/compare.py"), "--root", str(tmp_path / "peers"),
-         "--peers", "tokenmill,vllm,llamacpp", "--quick", "--out", str(out), "--base-port", str(free_port())],
+         "--peers", "tokenmill,vllm,llamacpp", "--quick", "--out", str(out),
+         "--base-port", str(free_port())],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for peer in ("vllm", "llamacpp"):

@@ -62,7 +62,8 @@ def test_sentence_transformers_directory_sets_the_defaults(tmp_path):
 
     cfg = ModelConfig("qwen3", 10, 8, 8, 1, 1, 1, 8)
     assert model_pooling(tmp_path, cfg).pooling == "last"  # a decoder: Qwen3-Embedding's
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
     (tmp_path / "modules.json").write_text(json.dumps(modules))
@@ -294,7 +295,8 @@ def test_async_engine_encode(cross_encoder):
         engine = AsyncEngine(llm.engine)
         engine.start()
         try:
-            outs = await asyncio.gather(*(engine.encode(f"a{i}", ("paris", d), PoolingParams("score"))
+            outs = await asyncio.gather(*(engine.encode(f"a{i}", ("paris", d),
+                                                        PoolingParams("score"))
                                           for i, d in enumerate(["a city", "a cat"])))
         finally:
             await engine.shutdown(timeout=1.0)

@@ -1,6 +1,7 @@
-"""int8 KV cache (``--kv-cache-dtype int8``, and fp8 in the same layout): the quantization itself, the two backends writing
-the same bytes and reading them alike, the capacity it buys, refusal of unknown dtypes, and the
-real model generating with it. Attention accuracy on random batches: test_attention.py."""
+"""int8 KV cache (``--kv-cache-dtype int8``, and fp8 in the same layout): the quantization
+itself, the two backends writing the same bytes and reading them alike, the capacity it buys,
+refusal of unknown dtypes, and the real model generating with it. Attention accuracy on random
+batches: test_attention.py."""
 
 from __future__ import annotations
 

@@ -403,7 +403,8 @@ def test_two_slots_serve_sixty_four_requests_of_four_adapters(tiny, adapters, al
     prompts = [PROMPT[i:i + 6] for i in range(4)]
     names = list(ADAPTERS)
     requests = [(f"r{i}", prompts[i // 16], names[i % 4]) for i in range(64)]
-    done, failures = generate(engine, requests, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    done, failures = generate(engine, requests,
+                              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(done) == 64 and not failures
     assert max(map(len, per_step)) == 2 and set().union(*per_step) == set(names)
     for rid, prompt, name in requests:

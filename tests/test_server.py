@@ -103,7 +103,8 @@ def test_chat_stream_equals_non_stream(client):
     assert text == full.choices[0].message.content and text
     assert finishes == [full.choices[0].finish_reason]
     # The second run of the same prompt hits the prefix cache: only cached_tokens may differ.
-    assert usage.prompt_tokens_details.cached_tokens >= full.usage.prompt_tokens_details.cached_tokens
+    assert (usage.prompt_tokens_details.cached_tokens
+            >= full.usage.prompt_tokens_details.cached_tokens)
     assert ({**usage.model_dump(), "prompt_tokens_details": None}
             == {**full.usage.model_dump(), "prompt_tokens_details": None})
     assert full.usage.completion_tokens <= 12
@@ -570,7 +571,8 @@ def test_cached_tokens_in_usage_and_metrics(server, client):
     def delta(name):
         return after.get((name, ()), 0) - before.get((name, ()), 0)
 
-    hits = (second.prompt_tokens_details.cached_tokens + 2 * usage.prompt_tokens_details.cached_tokens)
+    hits = (second.prompt_tokens_details.cached_tokens
+            + 2 * usage.prompt_tokens_details.cached_tokens)
     assert delta("tokenmill:prefix_cache_hits_total") == hits
     assert delta("tokenmill:prefix_cache_queries_total") == 3 * n + 3 * r.usage.prompt_tokens
 

@@ -71,7 +71,8 @@ _GGUF_LAYER = {
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+                "lm_head": "output"}
 
 
 def gguf_tensor_name(hf_name: str) -> str:
@@ -84,7 +85,8 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 def llama_cpp_permute(w, n_head: int):
     """What llama.cpp's converter does to q/k rows for the llama architecture."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
 
 
 def write_tiny_gguf(model, path: Path, arch: str, qtype_name: str = "F32") -> None:

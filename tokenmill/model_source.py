@@ -48,8 +48,9 @@ def resolve_model(model: str) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{model!r} is a file but not a .gguf file; pass a .gguf file or a "
-                                 "Hugging Face model directory (config.json + *.safetensors)")
+            raise ModelLoadError(f"{model!r} is a file but not a .gguf file; pass a .gguf file "
+                                 "or a Hugging Face model directory "
+                                 "(config.json + *.safetensors)")
         return ModelSource("gguf", path, model)
     if path.is_dir():
         return _resolve_dir(path, model)

@@ -56,7 +56,8 @@ def build_app(tok, lm, served_name: str) -> FastAPI:
             gen["min_new_tokens"] = max_tokens
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.get("stream"):
-            return StreamingResponse(stream(rid, ids, gen, chat, body), media_type="text/event-stream")
+            return StreamingResponse(stream(rid, ids, gen, chat, body),
+                                     media_type="text/event-stream")
         async with lock:
             out = await asyncio.to_thread(run, ids, gen)
         text = tok.decode(out, skip_special_tokens=True)
@@ -82,7 +83,8 @@ def build_app(tok, lm, served_name: str) -> FastAPI:
         async with lock:
             streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True)
             result: dict = {}
-            worker = threading.Thread(target=lambda: result.setdefault("ids", run(ids, gen, streamer)))
+            worker = threading.Thread(
+                target=lambda: result.setdefault("ids", run(ids, gen, streamer)))
             worker.start()
             it = iter(streamer)
             while True:

@@ -195,7 +195,7 @@ ROUTER_PANELS: list[Any] = [
     "Routing",
     ("Cache-aware hit estimate", "percentunit", "cache_aware policy: share of the routed "
      "text the chosen worker already held.",
-     [(f'max(tokenmill_router_cache_hit_estimate{{instance=~"$instance"}})', "estimate")]),
+     [('max(tokenmill_router_cache_hit_estimate{instance=~"$instance"})', "estimate")]),
     ("PD mode", "short", "Prompts sent straight to a decode worker, and decode requests "
      "without a KV hand-off, per second.",
      [(router_metric("pd_direct_total", rate=True), "direct"),

@@ -1,4 +1,5 @@
-"""``tokenmill bench serve`` and ``tokenmill bench sweep``: load-test any OpenAI-compatible server."""
+"""``tokenmill bench serve`` and ``tokenmill bench sweep``: load-test any OpenAI-compatible
+server."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 class SoakLimits:
     """``warmup_s``: seconds of load (from the sample taken before it) in which memory may grow
     without limit: caches filling (oneDNN keeps a primitive per matmul shape, up to 256 of
-    them under ``tokenmill serve``), the allocator's arenas reaching their working size. After it, private resident
-    memory (``memory_growth``) may grow by at most ``max_growth_mib_per_hour``."""
+    them under ``tokenmill serve``), the allocator's arenas reaching their working size. After it,
+    private resident memory (``memory_growth``) may grow by at most ``max_growth_mib_per_hour``."""
 
     warmup_s: float = 180.0
     max_growth_mib_per_hour: float = 512.0

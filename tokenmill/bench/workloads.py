@@ -59,7 +59,8 @@ def random_text(rng: random.Random, tok: Tokenizer, num_tokens: int, vocab: int)
 
 
 def random_workload(tok: Tokenizer, num_prompts: int, input_len: int, output_len: int,
-                    range_ratio: float = 0.0, seed: int = 0, vocab: int = 32000) -> list[BenchRequest]:
+                    range_ratio: float = 0.0, seed: int = 0,
+                    vocab: int = 32000) -> list[BenchRequest]:
     rng = random.Random(seed)
     ins = _lengths(rng, num_prompts, input_len, range_ratio)
     outs = _lengths(rng, num_prompts, output_len, range_ratio)

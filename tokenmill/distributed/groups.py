@@ -63,7 +63,8 @@ def check_settings(settings: dict[str, Any]) -> None:
     first = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         diff = [f"{key}: rank 0 has {first.get(key)!r}, rank {rank} has {theirs.get(key)!r}"
-                for key in sorted(first.keys() | theirs.keys()) if first.get(key) != theirs.get(key)]
+                for key in sorted(first.keys() | theirs.keys())
+                if first.get(key) != theirs.get(key)]
         if diff:
             raise SettingsMismatch("the ranks were started with different settings: "
                                    + "; ".join(diff))

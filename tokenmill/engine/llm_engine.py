@@ -1,5 +1,6 @@
-"""LLMEngine: the step loop. One step = propose -> schedule -> forward + sample -> update -> outputs;
-with ``async_scheduling`` the outputs are built while the next step runs (``engine/overlap.py``).
+"""LLMEngine: the step loop. One step = propose -> schedule -> forward + sample -> update ->
+outputs; with ``async_scheduling`` the outputs are built while the next step runs
+(``engine/overlap.py``).
 
 The engine is built from parts: a ``Scheduler`` (which tokens run, the KV blocks), an
 ``Executor`` (runs each ``SchedulerOutput`` on the model's workers; ``executor/``), a

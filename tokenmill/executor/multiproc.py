@@ -10,9 +10,10 @@ and ``n > 1`` work as with one process, and no rank holds request state.
 
 Launchers start the ranks: ``MpLauncher`` starts this node's processes (``--nnodes``: the
 other nodes run ``tokenmill serve --node-rank N``, headless, which starts theirs:
-``run_headless``); ``ray_launcher.RayLauncher`` places them as Ray actors. Failure: a monitor thread watches every rank's heartbeat and this
-node's processes; a rank that exits, reports an error or falls silent for ``worker_timeout``
-s breaks the executor (``ExecutorError``) at once, mid-step included.
+``run_headless``); ``ray_launcher.RayLauncher`` places them as Ray actors. Failure: a monitor
+thread watches every rank's heartbeat and this node's processes; a rank that exits, reports an error
+or falls silent for ``worker_timeout`` s breaks the executor (``ExecutorError``) at once, mid-step
+included.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.window = cfg.window(layer)  # sliding window (Mistral, Phi-3); None: every key
         self.comm = comm  # partial o_proj sums are all-reduced (tensor parallel)
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
+                                                            cfg.head_dim)
         self.split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         shards = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
         self.qkv_proj = ShardedLinear(cfg.hidden_size, shards, bias=cfg.attention_bias)

@@ -216,7 +216,8 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             tensor = dequantize(tensor)
         try:
             with torch.no_grad():
-                param.weight_loader(param, tensor.to(param.dtype), *([] if shard is None else [shard]))
+                param.weight_loader(param, tensor.to(param.dtype),
+                                    *([] if shard is None else [shard]))
         except ValueError as e:
             raise ModelLoadError(f"{origin}: tensor {name!r}: {e}") from e
         loaded.add(f"{target}:{shard}")

@@ -10,8 +10,9 @@ The inputs live in device tensors allocated once (``StepBuffers``): per step the
 pinned staging tensor (numpy over the step's columns, no loop per sequence; two staging sets in
 turn, so a fill never overwrites a copy still queued) and copies it with a single non-blocking
 transfer; a block table row is copied only up to the longest table of the step (the kernel
-never reads past a sequence's length). All buckets share one memory pool, captured largest first. The model's attention
-backend must read only device tensors and shapes of its metadata (``TritonPagedBackend`` does).
+never reads past a sequence's length). All buckets share one memory pool, captured largest
+first. The model's attention backend must read only device tensors and shapes of its metadata
+(``TritonPagedBackend`` does).
 """
 
 from __future__ import annotations

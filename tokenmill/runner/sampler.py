@@ -19,8 +19,8 @@ Per row (vLLM / HF semantics):
 Steps 1-7 are ``LogitsProcessor`` objects (``logits_processors.py``), applied in this order by
 ``process_logits``; ``Sampler(processors=...)`` takes another list. Each runs batched over the
 rows that use it and is skipped when none does; the sampled-only stages 5-7 run after the greedy
-rows took their argmax, on the sampled rows gathered once. The caller's logits tensor is never written:
-it is copied once, just before the first processor that applies (a plain greedy batch is a
+rows took their argmax, on the sampled rows gathered once. The caller's logits tensor is never
+written: it is copied once, just before the first processor that applies (a plain greedy batch is a
 single argmax, with no copy).
 
 Host syncs: one per step, the copy of the sampled ids (with the logprob table appended, as

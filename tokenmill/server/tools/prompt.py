@@ -152,7 +152,8 @@ def _tool_result(message: dict[str, Any], i: int) -> str:
 
 
 def _assistant_as_text(message: dict[str, Any], i: int, parser: ToolCallParser) -> dict[str, Any]:
-    parts = [_text(message.get("content"), f"messages[{i}]"), parser.format_calls(_calls(message, i))]
+    parts = [_text(message.get("content"), f"messages[{i}]"),
+             parser.format_calls(_calls(message, i))]
     rest = {k: v for k, v in message.items() if k != "tool_calls"}
     return {**rest, "content": "\n".join(p for p in parts if p)}
 
