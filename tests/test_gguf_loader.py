@@ -85,3 +85,22 @@ def test_index_refuses_a_duplicate_name_and_a_tensor_past_the_end(tmp_path):
     with pytest.raises(ModelLoadError, match="short.gguf.*runs past the end of the file"):
         read_gguf_index(short)
     assert read_gguf_index(path).tensors  # the intact file reads
+
+
+def test_index_of_a_big_endian_file_matches_the_gguf_package(tmp_path):
+    import gguf
+
+    path = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_uint32("llama.block_count", 1)
+    w.add_array("t.floats", [1.5, -2.0])
+    rng = np.random.default_rng(0)
+    w.add_tensor("a.weight", rng.standard_normal((3, 32)).astype(np.float32))
+    w.add_tensor("b.weight", rng.standard_normal((2, 32)).astype(np.float16))
+    w.add_tensor("c.weight", np.arange(64, dtype=np.int32).reshape(2, 32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert same_index(path) == 3
+    assert read_gguf_index(path).tensors[2].data[1, 0] == 32  # the values, not their bytes

@@ -132,7 +132,7 @@ def read_gguf_index(path: str | Path) -> GgufIndex:
             if name in names:
                 raise ModelLoadError(f"tensor {name!r} appears twice")
             names.add(name)
-            tensors.append(_tensor(whole, size, start + offset, name, dims, qtype))
+            tensors.append(_tensor(whole, size, start + offset, name, dims, qtype, cur.order))
         return GgufIndex(fields, tensors)
     except (OSError, ValueError, struct.error, ModelLoadError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
@@ -145,7 +145,7 @@ def _tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationTy
 
 
 def _tensor(whole: np.ndarray, size: int, at: int, name: str, dims: tuple[int, ...],
-            qtype: GGMLQuantizationType) -> GgufTensor:
+            qtype: GGMLQuantizationType, order: str) -> GgufTensor:
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     elements = int(np.prod(dims, dtype=np.int64))
     outer = tuple(reversed(dims))  # numpy's order: outermost first
@@ -158,7 +158,7 @@ def _tensor(whole: np.ndarray, size: int, at: int, name: str, dims: tuple[int, .
                              f"{size} bytes)")
     raw = whole[at:at + nbytes]
     if qtype in _ELEMENTS:
-        data = raw.view(_ELEMENTS[qtype]).reshape(outer)
+        data = raw.view(np.dtype(_ELEMENTS[qtype]).newbyteorder(order)).reshape(outer)
     elif outer:
         data = raw.reshape(*outer[:-1], outer[-1] // block * block_bytes)
     else:
