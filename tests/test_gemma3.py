@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,3 +190,22 @@ def test_real_270m_greedy_matches_transformers_gguf(gemma_file, hf_gemma):
     for ids, got in zip(prompts, ours):
         want = hf_greedy(hf_gemma, ids, REAL_TOKENS)
         assert got == want, f"{tokenizer.decode(got)!r} != {tokenizer.decode(want)!r}"
+
+
+@pytest.mark.slow
+def test_real_270m_blocks_dequantize_as_the_gguf_package(gemma_file):
+    """Every tensor of the real file (Q4_K, Q6_K, Q5_0, Q8_0, F32), dequantized in groups of
+    rows as the loader does it: bit for bit the gguf package's values."""
+    from gguf import quants
+
+    from tokenmill.gguf_meta import read_gguf_index
+    from tokenmill.model.gguf_file import _dequantize
+
+    kinds = set()
+    for t in read_gguf_index(gemma_file).tensors:
+        ours = _dequantize(t, gemma_file)
+        theirs = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
+        assert np.array_equal(ours.view(np.uint32), theirs.reshape(ours.shape).view(np.uint32)), \
+            t.name
+        kinds.add(t.tensor_type.name)
+    assert {"Q4_K", "Q6_K", "Q8_0"} <= kinds

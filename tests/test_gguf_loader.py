@@ -3,16 +3,19 @@ tokenmill's index of a file is the gguf package's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from tests.tiny_models import make_hf_model, write_tiny_gguf
 from tokenmill.errors import ModelLoadError
+from tokenmill.gguf_meta import GgufTensor, read_gguf_index
+from tokenmill.model import gguf_file
 from tokenmill.model.loader import load_model
 from tokenmill.runner.batch import Chunk
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.gguf_meta import read_gguf_index
 
 CASES = [
     ("llama", "llama", "F32", 1e-4),
@@ -104,3 +107,18 @@ def test_index_of_a_big_endian_file_matches_the_gguf_package(tmp_path):
     w.close()
     assert same_index(path) == 3
     assert read_gguf_index(path).tensors[2].data[1, 0] == 32  # the values, not their bytes
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "Q4_0", "Q5_0", "Q5_1", "Q8_0"])
+def test_dequantized_in_row_groups_as_the_gguf_package_does_it_whole(monkeypatch, qtype):
+    """Blocks dequantize many rows per call (not gguf.quants' 16), here in groups of 3 rows and a
+    remainder: the values are the package's, bit for bit."""
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[qtype]
+    raw = quants.quantize(np.random.default_rng(1).standard_normal((11, 64), np.float32), kind)
+    monkeypatch.setattr(gguf_file, "_DEQUANTIZE_BYTES", 3 * raw.shape[1])
+    ours = gguf_file._dequantize(GgufTensor("w", kind, (64, 11), raw), Path("w.gguf"))
+    theirs = quants.dequantize(raw, kind)
+    assert ours.shape == (11, 64)
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))

@@ -191,9 +191,25 @@ def _hf_name(name: str, path: Path, cfg: ModelConfig) -> str:
     raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {cfg.architecture} model")
 
 
+# gguf.quants.dequantize works through a tensor 16 rows per call: for a 262k-row embedding
+# (Gemma 3) that is 16k rounds of a dozen numpy calls. Its per-type classes take any number of
+# rows (``dequantize_rows``): the same elementwise arithmetic, over 16 MiB of blocks at a time.
+_DEQUANTIZE_BYTES = 16 << 20
+
+
+def _gguf_dequantize(data: np.ndarray, qtype) -> np.ndarray:
+    from gguf import quants
+
+    rows_of = getattr(getattr(quants, qtype.name, None), "dequantize_rows", None)
+    if rows_of is None or data.ndim == 0 or data.size == 0:
+        return quants.dequantize(data, qtype)  # NotImplementedError for a type it lacks
+    rows = np.asarray(data).reshape(-1, data.shape[-1])
+    step = max(1, _DEQUANTIZE_BYTES // max(1, rows.shape[1]))
+    return np.concatenate([rows_of(rows[i:i + step]) for i in range(0, len(rows), step)])
+
+
 def _dequantize(tensor, path: Path) -> np.ndarray:
     import gguf
-    from gguf.quants import dequantize as gguf_dequantize
 
     qtype = tensor.tensor_type
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
@@ -203,7 +219,7 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
         elif qtype == gguf.GGMLQuantizationType.F16:
             data = np.asarray(tensor.data).astype(np.float32)
         else:
-            data = gguf_dequantize(tensor.data, qtype)
+            data = _gguf_dequantize(tensor.data, qtype)
     except NotImplementedError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name!r} has type {qtype.name}, which "
                              "tokenmill cannot dequantize") from e
