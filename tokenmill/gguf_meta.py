@@ -134,7 +134,7 @@ def read_gguf_index(path: str | Path) -> GgufIndex:
             names.add(name)
             tensors.append(_tensor(whole, size, start + offset, name, dims, qtype, cur.order))
         return GgufIndex(fields, tensors)
-    except (OSError, ValueError, struct.error, ModelLoadError) as exc:
+    except (OSError, ValueError, KeyError, struct.error, ModelLoadError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 

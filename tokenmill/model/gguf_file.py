@@ -17,9 +17,9 @@ import torch
 
 from tokenmill.config import ModelConfig, RopeScaling
 from tokenmill.errors import ModelLoadError
+from tokenmill.gguf_meta import GgufIndex, read_gguf_index
 from tokenmill.model.quant import GGUF_BLOCKS, QuantWeight, dequantize, from_gguf_blocks
 from tokenmill.model.registry import GGUF_ARCHES, family, family_config_gguf
-from tokenmill.gguf_meta import GgufIndex, read_gguf_index
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
