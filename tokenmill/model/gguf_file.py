@@ -204,7 +204,7 @@ def _gguf_dequantize(data: np.ndarray, qtype) -> np.ndarray:
     if rows_of is None or data.ndim == 0 or data.size == 0:
         return quants.dequantize(data, qtype)  # NotImplementedError for a type it lacks
     rows = np.asarray(data).reshape(-1, data.shape[-1])
-    step = max(1, _DEQUANTIZE_BYTES // max(1, rows.shape[1]))
+    step = max(1, _DEQUANTIZE_BYTES // rows.shape[1])  # rows.shape[1] > 0: data.size > 0
     return np.concatenate([rows_of(rows[i:i + step]) for i in range(0, len(rows), step)])
 
 
