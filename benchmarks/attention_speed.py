@@ -7,10 +7,14 @@ merged in a second pass), on the torch backend the reference they replace
 
     python3 benchmarks/attention_speed.py [--dtype float32|bfloat16] [--backends torch,cpu]
                                           [--kv-cache-dtype auto|int8|bfloat16] [--layers 30]
+                                          [--cases "prefill 1 x 1024,..."] [--min-time 0.5]
+                                          [--widen-from trial|0|N]
 
 One layer's K/V fits in L3, a step's do not: with ``--layers L`` each call attends with the next
 of L copies of the cache (the batch's metadata built once per L calls, as a step builds it
-once), so K/V come from memory as in a real step and the figure is the mean per layer.
+once), so K/V come from memory as in a real step and the figure is the mean per layer. bf16 on
+the cpu backend takes the route the loader's trial picks for these heads (vdpbf16ps or float32
+FMAs with its bits, attention/cpu_trial.py); ``--widen-from 0`` times vdpbf16ps alone.
 """
 
 from __future__ import annotations
@@ -55,6 +59,17 @@ def time_call(fn, min_time: float = 0.5) -> float:
     return (time.perf_counter() - start) / n
 
 
+def choose_route(widen_from: str) -> int:
+    """Set the cpu kernel's route for bf16 products as ``--widen-from`` says; the rows set."""
+    from tokenmill.attention import cpu_trial
+
+    ops = get_backend("cpu").ops
+    rows = (cpu_trial.choose_widen_rows(ops, HEADS, KV_HEADS, HEAD_DIM) or 0
+            if widen_from == "trial" else int(widen_from))
+    ops.set_attention_widen_from(rows)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="float32")
@@ -62,13 +77,26 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "bfloat16"])
     ap.add_argument("--layers", type=int, default=1,
                     help="copies of the cache attended in turn (30: K/V from memory)")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="comma-separated case names (default: all)")
+    ap.add_argument("--min-time", type=float, default=0.5, help="seconds timed per case")
+    ap.add_argument("--widen-from", default="trial",
+                    help="cpu backend, bf16: work items of at least this many rows take float32 "
+                         "FMAs with vdpbf16ps's bits (0: vdpbf16ps only); 'trial': the load's "
+                         "choice (attention/cpu_trial.py)")
     args = ap.parse_args()
     import random
 
     dtype = getattr(torch, args.dtype)
+    widen_from = choose_route(args.widen_from) if "cpu" in args.backends.split(",") else None
     results = {"machine": machine(), "threads": torch.get_num_threads(), "dtype": args.dtype,
-               "kv_cache_dtype": args.kv_cache_dtype, "layers": args.layers, "ms_per_layer": {}}
-    for name, case in CASES.items():
+               "kv_cache_dtype": args.kv_cache_dtype, "layers": args.layers,
+               "widen_from": widen_from, "ms_per_layer": {}}
+    unknown = set(args.cases.split(",")) - set(CASES)
+    if unknown:
+        ap.error(f"unknown cases {sorted(unknown)}; known: {list(CASES)}")
+    for name in args.cases.split(","):
+        case = CASES[name]
         row = {}
         for backend in args.backends.split(","):
             be = get_backend(backend)
@@ -85,7 +113,7 @@ def main() -> None:
                     be.forward(q, k, v, cache, meta, HEAD_DIM ** -0.5)
 
             with torch.inference_mode():
-                row[backend] = round(time_call(call) * 1e3 / len(caches), 3)
+                row[backend] = round(time_call(call, args.min_time) * 1e3 / len(caches), 3)
         results["ms_per_layer"][name] = row
         print(f"{name:36} " + "  ".join(f"{b} {ms:8.3f} ms" for b, ms in row.items()), flush=True)
     print(json.dumps(results))

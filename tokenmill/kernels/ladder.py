@@ -131,9 +131,10 @@ LADDER: tuple[Rung, ...] = (
 # Bindings that are not kernels of their own: weight packing for a rung's GEMM, what a kernel
 # takes, the fused step's argument type, and PyTorch's own float32 SiLU·mul split over threads
 # by rows (the same ops: nothing to time it against; batch invariance's, tested in
-# tests/test_batch_invariant.py).
+# tests/test_batch_invariant.py), and the setting of paged attention's route for bf16 products
+# (vdpbf16ps or float32 FMAs with its bits: tests/test_attention_wide.py).
 HELPERS = frozenset({"supports", "pack_bf16_weight", "pack_f32_weight", "LayerWeights",
-                     "silu_and_mul_rows"})
+                     "silu_and_mul_rows", "set_attention_widen_from", "attention_widen_from"})
 
 
 def table() -> str:

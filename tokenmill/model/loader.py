@@ -55,6 +55,8 @@ class LoadedModel:
     kernels: dict[str, str] = field(default_factory=dict)
     onednn_rows: int | None = None
     widen_rows: int | None = None  # packed bf16: float32 FMAs from this many rows
+    # bf16 attention on the CPU kernel: float32 FMAs from this many rows per work item
+    attention_widen_rows: int | None = None
 
 
 def load_model(model: str, device: str = "cpu", dtype: str = "float32",
@@ -88,8 +90,24 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     load_weights(module, weights, str(source.path))
     loaded = LoadedModel(module, local, source, plan=plan, position=position)
     build_linears(loaded, ops)
+    if getattr(backend, "name", None) == "cpu" and local.dtype == "bfloat16":
+        choose_attention_route(loaded, ops)
     use_gpu_ops(module, fused_gpu_ops(module, device, backend))
     return loaded
+
+
+def choose_attention_route(loaded: LoadedModel, ops) -> None:
+    """bf16 attention's products by vdpbf16ps or by float32 FMAs with its bits, per kind of
+    work item, as the load's trial measures them (``attention/cpu_trial.py``); process-wide in
+    the kernel, as the two differ in pace only."""
+    from tokenmill.attention import cpu_trial
+
+    cfg = loaded.config
+    if ops is None or not cpu_trial.WIDEN_TRIAL:
+        return
+    loaded.attention_widen_rows = cpu_trial.choose_widen_rows(
+        ops, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    ops.set_attention_widen_from(loaded.attention_widen_rows or 0)
 
 
 def fused_gpu_ops(module: nn.Module, device: str, backend: AttentionBackend

@@ -54,6 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_attention", &paged_attention, "attention over paged K/V read in place",
         release());
+  m.def("set_attention_widen_from", &set_attention_widen_from,
+        "bf16 attention items of at least this many rows by float32 FMAs (vdpbf16ps's bits; "
+        "0: never)");
+  m.def("attention_widen_from", &attention_widen_from, "set_attention_widen_from's rows");
   m.def("store_kv", &store_kv, "store new K/V at their slots in the kernel's cache layout",
         release());
   m.def("supports", &supports, "whether (head_dim, block_size) suit the kernel");

@@ -26,7 +26,11 @@
 // for bit: cascade attention in the batch-invariant mode.
 #pragma once
 
+#include <atomic>
+#include <optional>
+
 #include "attention_tiles.h"
+#include "attention_wide.h"
 #include "common.h"
 #include "kv_cache.h"
 
@@ -44,6 +48,19 @@ enum Combine : int64_t { kWrite = 0, kMerge = 1, kSaveState = 2, kResume = 3 };
 struct WorkItem {
   int64_t req, kv_head, t0, t1;
 };
+
+// bf16 products (kDot) of work items of at least this many rows (query tokens x heads per KV
+// head) run as float32 FMAs with vdpbf16ps's bits (attention_wide.h); 0: on vdpbf16ps always.
+// Process-wide: the two routes differ in pace only, and the engine sets it from the load's
+// trial (attention/cpu_paged.py's choose_widen_rows).
+std::atomic<int64_t> g_attention_widen_from{0};
+
+void set_attention_widen_from(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "set_attention_widen_from: rows >= 0 (0: never)");
+  g_attention_widen_from.store(rows, std::memory_order_relaxed);
+}
+
+int64_t attention_widen_from() { return g_attention_widen_from.load(std::memory_order_relaxed); }
 
 // An int8 cache's scales of one block for one head, as float32: K's (all block_size of them,
 // after the block's transposed keys) and V's (the first nvalid, each after its token's row).
@@ -100,6 +117,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         items.push_back({r, h, t0, std::min(t0 + tile, qs[r + 1])});
 
   const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t widen_from = kDot ? attention_widen_from() : 0;
   share_tasks(num_items, [&](const auto& take) {  // items differ in cost
     const int64_t span = kChunk * block_size;  // keys of one softmax step
     std::vector<float> qbuf, acc, m, l, sc, tmp(head_dim), ks(span), vs(span);
@@ -107,9 +125,16 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     // kDot: 16 keys' K or a softmax step's V in vdpbf16ps pairs, made once for many row tiles
     std::vector<uint16_t> kv_pairs(kDot ? kChunk * block_size * head_dim : 0);
     std::vector<const uint16_t*> v_rows(kDot ? span / 2 : 0);
+    // the FMA route's queries and probabilities, and its widened K or V (attention_wide.h)
+    std::vector<float> qf, pf, kv_wide(widen_from > 0 ? span * head_dim : 0);
     for (int64_t it; take(it);) {
       const WorkItem& w = items[it];
       const int64_t nrows = (w.t1 - w.t0) * group;
+      const bool wide = widen_from > 0 && nrows >= widen_from;
+#if defined(__AVX512BF16__)
+      std::optional<WideAttention> daz_ftz;  // vdpbf16ps's denormal rules for both routes
+      if constexpr (kDot) daz_ftz.emplace();
+#endif
       if constexpr (!kDot) qbuf.assign(nrows * head_dim, 0.0f);
       acc.assign(nrows * head_dim, 0.0f);
       m.assign(nrows, kNegInf);
@@ -132,6 +157,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       if constexpr (kDot) {
         qb.resize(nrows * head_dim);
         pb.resize(nrows * span);
+        if (wide) pf.resize(nrows * span);
       }
       int64_t kmax = 0, kmin = klow ? klow[w.t0] : 0;
       for (int64_t t = w.t0; t < w.t1; ++t) {
@@ -149,6 +175,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           load_row(qp + src * q_stride + (w.kv_head * group + g) * head_dim, dst, head_dim);
           for (int64_t d = 0; d < head_dim; ++d) dst[d] *= static_cast<float>(scale);
         }
+      }
+      if (wide) {  // kDot's queries widened for the FMAs
+        qf.resize(nrows * head_dim);
+        load_row(reinterpret_cast<const T*>(qb.data()), qf.data(), nrows * head_dim);
       }
       const int64_t* table = tables + w.req * table_width;
       // kChunk blocks at a time: their scores side by side in sc, one softmax step over all
@@ -182,11 +212,16 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
             block_scales(kt, vblock, head_dim, v_stride, block_size, nvalid,
                          ks.data() + i * block_size, vs.data() + i * block_size);
 #if defined(__AVX512BF16__)
-          if constexpr (kDot)
-            block_scores_bf16<N>(qb.data(), reinterpret_cast<const uint16_t*>(kt),
-                                 static_cast<float>(scale), sblock, span, nrows, nvalid,
-                                 block_size, kv_pairs.data());
-          else
+          if constexpr (kDot) {
+            if (wide)
+              block_scores_wide<N>(qf.data(), reinterpret_cast<const uint16_t*>(kt),
+                                   static_cast<float>(scale), sblock, span, nrows, nvalid,
+                                   block_size, kv_wide.data());
+            else
+              block_scores_bf16<N>(qb.data(), reinterpret_cast<const uint16_t*>(kt),
+                                   static_cast<float>(scale), sblock, span, nrows, nvalid,
+                                   block_size, kv_pairs.data());
+          } else
 #endif
             block_scores<N>(qbuf.data(), kt, ks.data() + i * block_size, sblock, span, nrows,
                             nvalid, block_size);
@@ -200,7 +235,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           if (vis <= low) {  // no key of these blocks is this row's
             for (int64_t s = 0; s < span; ++s) srow[s] = 0.0f;
 #if defined(__AVX512BF16__)
-            if constexpr (kDot) std::fill_n(&pb[row * span], span, uint16_t{0});
+            if constexpr (kDot) {
+              std::fill_n(&pb[row * span], span, uint16_t{0});
+              if (wide) std::fill_n(&pf[row * span], span, 0.0f);
+            }
 #endif
             continue;
           }
@@ -214,10 +252,17 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
             for (int64_t s = 0; s < vis; ++s) srow[s] *= vs[s];
           if (alpha != 1.0f) {
             float* arow = &acc[row * head_dim];
-            for (int64_t d = 0; d < head_dim; ++d) arow[d] *= alpha;
+            const Vec av = Vec::set1(alpha);  // head_dim = N whole registers
+            for (int64_t d = 0; d < head_dim; d += Vec::W)
+              Vec::mul(Vec::load(arow + d), av).store(arow + d);
           }
 #if defined(__AVX512BF16__)
-          if constexpr (kDot) probs_to_bf16(srow, &pb[row * span], nb * block_size);
+          if constexpr (kDot) {
+            if (wide)
+              probs_to_wide(srow, &pf[row * span], nb * block_size);
+            else
+              probs_to_bf16(srow, &pb[row * span], nb * block_size);
+          }
 #endif
         }
 #if defined(__AVX512BF16__)
@@ -227,8 +272,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
             for (int64_t j = 0; j < block_size && s < nkeys; j += 2, s += 2)
               v_rows[s / 2] = reinterpret_cast<const uint16_t*>(v + j * v_stride);
           }
-          block_values_bf16<N>(pb.data(), span, {v_rows.data(), v_stride, nkeys}, acc.data(),
-                               nrows, kv_pairs.data());
+          const ValuePairsInPlace pairs{v_rows.data(), v_stride, nkeys};
+          if (wide)
+            block_values_wide<N>(pf.data(), span, pairs, acc.data(), nrows, kv_wide.data());
+          else
+            block_values_bf16<N>(pb.data(), span, pairs, acc.data(), nrows, kv_pairs.data());
           continue;
         }
 #endif
