@@ -238,6 +238,18 @@ void nibble_task_rows(const NibbleRows& in, int64_t rows, const uint8_t* const* 
     nibble_rows<kWay, 2>(in, rows, rec, panel, out);
     return;
   }
+  if (nb == 2 && kWay == NibbleWay::kPanel) {
+    // FMAs over the panel: 9-16 rows as two tiles of both blocks, each broadcast of x feeding
+    // two FMAs (one block of 9-16 rows loads one per FMA, and the load ports bound it); in
+    // registers the nibbles would be widened twice, which costs more (16-32 rows)
+    const int64_t first = (rows + 1) / 2;
+    nibble_rows<kWay, 2>(in, first, rec, panel, out);
+    NibbleRows rest = in;
+    rest.xf += first * in.xs;
+    rest.sums += first * in.groups;
+    nibble_rows<kWay, 2>(rest, rows - first, rec, panel, out + first * 32);
+    return;
+  }
   for (int b = 0; b < nb; ++b)  // a block at a time: 9-16 rows of sums per weight dequantized
     nibble_rows<kWay, 1>(in, rows, rec + b, panel ? panel + b * groups * 512 : nullptr,
                          out + b * 16);

@@ -80,7 +80,7 @@ constexpr std::array<Q8Tile, sizeof...(R)> q8_tiles(std::integer_sequence<int, R
 }
 
 // a task's rows (1 <= rows <= kQ8TileRows) over its nb column blocks: both blocks in one tile
-// where they fit (each row's x read once), else a block at a time
+// where they fit (each row's x read once), or in two over a panel, else a block at a time
 inline void q8_task_rows(const float* x, int64_t xs, int64_t groups, int64_t rows,
                          const Q8Blocks& w, int nb, float* out) {
   using Rows = std::make_integer_sequence<int, kQ8TileRows>;
@@ -91,6 +91,14 @@ inline void q8_task_rows(const float* x, int64_t xs, int64_t groups, int64_t row
   static constexpr auto kOnePanel = q8_tiles<1, true>(Rows{});
   if (nb == 2 && rows <= kQ8TileRows / 2)
     return (w.panel ? kTwoPanel : kTwo)[rows - 1](x, xs, groups, w, out);
+  if (nb == 2 && w.panel) {
+    // 9-16 rows over the panel as two tiles of both blocks: each broadcast of x feeds two FMAs
+    // (one block of 9-16 rows loads one per FMA, and the load ports bound it); in registers
+    // the weights would be dequantized twice
+    const int64_t first = (rows + 1) / 2;
+    kTwoPanel[first - 1](x, xs, groups, w, out);
+    return kTwoPanel[rows - first - 1](x + first * xs, xs, groups, w, out + first * 32);
+  }
   for (int b = 0; b < nb; ++b) {
     const Q8Blocks one{w.rec + b, w.panel ? w.panel + b * w.k_len * kQ8Cols : nullptr, w.k_len};
     (w.panel ? kOnePanel : kOne)[rows - 1](x, xs, groups, one, out + b * 16);
