@@ -7,7 +7,7 @@ merged in a second pass), on the torch backend the reference they replace
 
     python3 benchmarks/attention_speed.py [--dtype float32|bfloat16] [--backends torch,cpu]
                                           [--kv-cache-dtype auto|int8|bfloat16] [--layers 30]
-                                          [--cases "prefill 1 x 1024,..."] [--min-time 0.5]
+                                          [--cases "prefill 1 x 1024;..."] [--min-time 0.5]
                                           [--widen-from trial|0|N]
 
 One layer's K/V fits in L3, a step's do not: with ``--layers L`` each call attends with the next
@@ -77,8 +77,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "bfloat16"])
     ap.add_argument("--layers", type=int, default=1,
                     help="copies of the cache attended in turn (30: K/V from memory)")
-    ap.add_argument("--cases", default=",".join(CASES),
-                    help="comma-separated case names (default: all)")
+    ap.add_argument("--cases", default=";".join(CASES),
+                    help="case names separated by ';' (names hold commas; default: all)")
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds timed per case")
     ap.add_argument("--widen-from", default="trial",
                     help="cpu backend, bf16: work items of at least this many rows take float32 "
@@ -92,10 +92,10 @@ def main() -> None:
     results = {"machine": machine(), "threads": torch.get_num_threads(), "dtype": args.dtype,
                "kv_cache_dtype": args.kv_cache_dtype, "layers": args.layers,
                "widen_from": widen_from, "ms_per_layer": {}}
-    unknown = set(args.cases.split(",")) - set(CASES)
+    unknown = set(args.cases.split(";")) - set(CASES)
     if unknown:
         ap.error(f"unknown cases {sorted(unknown)}; known: {list(CASES)}")
-    for name in args.cases.split(","):
+    for name in args.cases.split(";"):
         case = CASES[name]
         row = {}
         for backend in args.backends.split(","):
