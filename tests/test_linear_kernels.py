@@ -278,8 +278,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def test_float32_fmas_give_vdpbf16ps_bits_at_every_row_count(n, k, bias):
     """WidenRows (csrc/bf16_gemm.h), what the load routes prompt rows to where it measures
     faster: vdpbf16ps's bits through row tiles of 1-12 rows of the task's column blocks (two,
-    or a last odd one), 64-row scratch chunks over rows widened once per call, an odd K's zero partner, a bias, the
-    SiLU·mul epilogue, sums that cancel (rows 1000x the rest) and the kernel object's route."""
+    or a last odd one), 64-row scratch chunks over rows widened once per call, an odd K's zero
+    partner, a bias, the SiLU·mul epilogue, sums that cancel (rows 1000x the rest) and the
+    kernel object's route."""
     layer = linear(n, k, torch.bfloat16, bias, seed=n + k)
     kernel = Bf16Packed.build(layer.weight, layer.bias, ops)
     for rows in (1, 8, 9, 12, 13, 16, 17, 25, 33, 64, 65, 130):

@@ -293,30 +293,6 @@ inline void rows_scores_bf16(const uint16_t* q, const Pairs& kpair, float scale,
 
 constexpr int64_t kScoreRowsBf16 = 8;  // 16 accumulators
 
-// the scores of nrows query rows for one block's keys; kp: scratch of N * 16 * 16 bf16
-template <int64_t N>
-void block_scores_bf16(const uint16_t* qbuf, const uint16_t* kt, float scale, float* sc,
-                       int64_t sc_stride, int64_t nrows, int64_t nvalid, int64_t block_size,
-                       uint16_t* kp) {
-  constexpr int64_t D = N * 16;
-  for (int64_t kc = 0; kc < nvalid; kc += 16) {
-    const KeyPairsInPlace in_place{kt + kc, block_size};
-    auto rows = [&](const auto& pairs) {
-      row_tiles<kScoreRowsBf16>(nrows, [&](auto tile, int64_t row) {
-        rows_scores_bf16<N, decltype(tile)::value>(qbuf + row * D, pairs, scale,
-                                                   sc + row * sc_stride + kc, sc_stride);
-      });
-    };
-    if (nrows <= 2 * kScoreRowsBf16) {
-      rows(in_place);
-      continue;
-    }
-    for (int64_t d = 0; d < D; d += 2)
-      _mm512_storeu_si512(kp + d / 2 * 32, reinterpret_cast<__m512i>(in_place(d)));
-    rows(KeyPairsMade{kp});
-  }
-}
-
 // Values: pairs(s, c, lo, hi) gives, for keys s, s + 1 (s even) of a softmax step's nkeys
 // (blocks of block_size, even, one after another) and values 32 c .. 32 c + 31, V's two rows
 // interleaved (unpacklo, unpackhi); a key past nkeys as zeros (its slot may hold anything).

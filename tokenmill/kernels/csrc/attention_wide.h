@@ -1,6 +1,9 @@
 // attention_tiles.h's bf16 products (vdpbf16ps) by float32 FMAs with the same bits, for
-// paged_attention.h's items where the load's trial measured them faster.
+// paged_attention.h's items where the load's trial measured them faster; and the scores of a
+// block by either route (block_scores_pairs).
 #pragma once
+
+#include <type_traits>
 
 #include "attention_tiles.h"
 #include "common.h"
@@ -82,18 +85,26 @@ inline void rows_scores_wide(const float* q, const Keys& keys, float scale, floa
     _mm512_storeu_ps(sc + r * sc_stride, _mm512_mul_ps(_mm512_add_ps(a[r], b[r]), s));
 }
 
-// block_scores_bf16 by FMAs; kw: scratch of N * 16 * 16 floats
-template <int64_t N>
-void block_scores_wide(const float* qf, const uint16_t* kt, float scale, float* sc,
-                       int64_t sc_stride, int64_t nrows, int64_t nvalid, int64_t block_size,
-                       float* kw) {
+// The scores of nrows query rows for one block's keys, by vdpbf16ps (q in bf16; scratch of
+// N * 16 * 16 bf16) or, kWide, by FMAs (q widened; scratch of N * 16 * 16 floats): 16 keys at a
+// time, read in place for up to two row tiles, else made once into the scratch for all tiles
+template <int64_t N, bool kWide>
+void block_scores_pairs(const std::conditional_t<kWide, float, uint16_t>* q, const uint16_t* kt,
+                        float scale, float* sc, int64_t sc_stride, int64_t nrows,
+                        int64_t nvalid, int64_t block_size,
+                        std::conditional_t<kWide, float, uint16_t>* scratch) {
   constexpr int64_t D = N * 16;
+  using InPlace = std::conditional_t<kWide, KeysWideInPlace, KeyPairsInPlace>;
   for (int64_t kc = 0; kc < nvalid; kc += 16) {
-    const KeysWideInPlace in_place{kt + kc, block_size};
+    const InPlace in_place{kt + kc, block_size};
     auto rows = [&](const auto& keys) {
       row_tiles<kScoreRowsBf16>(nrows, [&](auto tile, int64_t row) {
-        rows_scores_wide<N, decltype(tile)::value>(qf + row * D, keys, scale,
-                                                   sc + row * sc_stride + kc, sc_stride);
+        constexpr int64_t R = decltype(tile)::value;
+        float* out = sc + row * sc_stride + kc;
+        if constexpr (kWide)
+          rows_scores_wide<N, R>(q + row * D, keys, scale, out, sc_stride);
+        else
+          rows_scores_bf16<N, R>(q + row * D, keys, scale, out, sc_stride);
       });
     };
     if (nrows <= 2 * kScoreRowsBf16) {
@@ -101,12 +112,19 @@ void block_scores_wide(const float* qf, const uint16_t* kt, float scale, float* 
       continue;
     }
     for (int64_t d = 0; d < D; d += 2) {
-      __m512 odd, even;
-      in_place(d, odd, even);
-      _mm512_storeu_ps(kw + d / 2 * 32, odd);
-      _mm512_storeu_ps(kw + d / 2 * 32 + 16, even);
+      if constexpr (kWide) {
+        __m512 odd, even;
+        in_place(d, odd, even);
+        _mm512_storeu_ps(scratch + d / 2 * 32, odd);
+        _mm512_storeu_ps(scratch + d / 2 * 32 + 16, even);
+      } else {
+        _mm512_storeu_si512(scratch + d / 2 * 32, reinterpret_cast<__m512i>(in_place(d)));
+      }
     }
-    rows(KeysWideMade{kw});
+    if constexpr (kWide)
+      rows(KeysWideMade{scratch});
+    else
+      rows(KeyPairsMade{scratch});
   }
 }
 

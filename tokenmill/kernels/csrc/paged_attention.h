@@ -213,14 +213,13 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                          ks.data() + i * block_size, vs.data() + i * block_size);
 #if defined(__AVX512BF16__)
           if constexpr (kDot) {
+            const auto* keys = reinterpret_cast<const uint16_t*>(kt);
             if (wide)
-              block_scores_wide<N>(qf.data(), reinterpret_cast<const uint16_t*>(kt),
-                                   static_cast<float>(scale), sblock, span, nrows, nvalid,
-                                   block_size, kv_wide.data());
+              block_scores_pairs<N, true>(qf.data(), keys, static_cast<float>(scale), sblock,
+                                          span, nrows, nvalid, block_size, kv_wide.data());
             else
-              block_scores_bf16<N>(qb.data(), reinterpret_cast<const uint16_t*>(kt),
-                                   static_cast<float>(scale), sblock, span, nrows, nvalid,
-                                   block_size, kv_pairs.data());
+              block_scores_pairs<N, false>(qb.data(), keys, static_cast<float>(scale), sblock,
+                                           span, nrows, nvalid, block_size, kv_pairs.data());
           } else
 #endif
             block_scores<N>(qbuf.data(), kt, ks.data() + i * block_size, sblock, span, nrows,
