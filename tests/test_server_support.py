@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -17,7 +19,33 @@ from prometheus_client.parser import text_string_to_metric_families
 MODEL = "smollm2-135m-instruct"
 
 
+_PORTS = random.SystemRandom()  # not the tests' seeded `random`: xdist workers differ
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for local ports of outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range where it can: outgoing connections
+    (a rank's gloo mesh, an HTTP client polling /health) take their local ports from that
+    range, so one could hold a port the kernel had handed out before the server, seconds later
+    after loading its model, binds it (seen: a pipeline-parallel server's "address already in
+    use"). From 20,000: Ray's workers take 10,002-19,999 (a Ray head's GCS port picked there
+    was seen unreachable). 16 ports below the range are left for free_port_run's runs."""
+    high = _ephemeral_low() - 16
+    for _ in range(200 if high > 20000 else 0):
+        port = _PORTS.randrange(20000, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

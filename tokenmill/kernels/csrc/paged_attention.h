@@ -52,7 +52,7 @@ struct WorkItem {
 // bf16 products (kDot) of work items of at least this many rows (query tokens x heads per KV
 // head) run as float32 FMAs with vdpbf16ps's bits (attention_wide.h); 0: on vdpbf16ps always.
 // Process-wide: the two routes differ in pace only, and the engine sets it from the load's
-// trial (attention/cpu_paged.py's choose_widen_rows).
+// trial (attention/cpu_trial.py's choose_widen_rows).
 std::atomic<int64_t> g_attention_widen_from{0};
 
 void set_attention_widen_from(int64_t rows) {
