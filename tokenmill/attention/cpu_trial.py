@@ -2,9 +2,10 @@
 float32 FMAs that give its bits (``csrc/attention_wide.h``). Where vdpbf16ps issues at half the
 FMA units' rate (a Xeon with AVX512-BF16 and no AMX exposed) the FMAs take prompt tiles and a
 shared prefix's pass ~1.3-1.4x faster; where vdpbf16ps keeps pace with the FMAs (expected of
-AMD Zen 4, not measured) they would be slower. So the loader times both on the model's head shapes and takes the FMAs for
-the work items where they measured faster: items of one decode token's heads (``group`` rows)
-and items of a prompt tile or a shared prefix (``TILE`` tokens' heads) are timed apart.
+AMD Zen 4, not measured) they would be slower. So the loader times both on the model's head
+shapes and takes the FMAs for the work items where they measured faster: items of one decode
+token's heads (``group`` rows) and items of a prompt tile or a shared prefix (``TILE`` tokens'
+heads) are timed apart.
 
 The route changes the pace only: the trial first checks, on random prompt and decode batches,
 that both give the same bits on this CPU, and keeps vdpbf16ps where they do not."""
