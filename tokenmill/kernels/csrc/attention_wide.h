@@ -15,7 +15,7 @@ namespace {
 // vdpbf16ps: a Xeon with AVX512-BF16 but no AMX exposed), bit for bit: vdpbf16ps adds per lane
 // the odd input's product, then the even one's, each exact in float32 and rounded once as it is
 // added, with denormals read as zero and flushed (the caller sets MXCSR's DAZ and FTZ for both
-// routes alike: WideAttention below). Each pair's odd and even halves are widened (an AND, a
+// routes alike: common.h's DenormalsAsZero). Each pair's odd and even halves are widened (an AND, a
 // shift) in registers or, for many rows, once into a scratch panel of floats; the accumulators
 // keep vdpbf16ps's lanes, so unscramble_bf16 and saved states hold for both.
 inline __m512 widen_odd(__m512i pairs) {  // the high bf16 of each 32-bit lane as float32
@@ -26,22 +26,8 @@ inline __m512 widen_even(__m512i pairs) {  // the low one
   return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
 }
 inline __m512 widen16(const uint16_t* p) {  // 16 bf16 as float32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return Vec::load(reinterpret_cast<const at::BFloat16*>(p)).v;
 }
-
-// MXCSR's DAZ and FTZ for a work item of bf16 products (vdpbf16ps's own rules, which the FMA
-// route needs and both routes then share: a denormal score or probability reads as zero)
-class WideAttention {
- public:
-  WideAttention() : csr_(_mm_getcsr()) { _mm_setcsr(csr_ | 0x8040); }
-  ~WideAttention() { _mm_setcsr(csr_); }
-  WideAttention(const WideAttention&) = delete;
-  WideAttention& operator=(const WideAttention&) = delete;
-
- private:
-  unsigned csr_;
-};
 
 // Keys for the FMAs: keys(d, odd, even) gives dims d + 1 and d of the 16 keys at kc as float32
 struct KeysWideInPlace {

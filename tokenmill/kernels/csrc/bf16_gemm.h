@@ -179,8 +179,7 @@ class WidenRows {
            int64_t block_stride, float* out, bool prefetch) {
     const int64_t pairs = (k_len + 1) / 2;
     const float* xf = xf_ + (x - x_of_) / xs_ * 2 * pairs;  // x's rows among the call's
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);  // FTZ, DAZ
+    const DenormalsAsZero daz_ftz;
     if (use_panel_) {
       float* const panel = thread_buffer<float, WidenRows, kPanel>(NB * pairs * 32);
       if (w != panel_of_ || NB != panel_nb_) widen_panel<NB>(w, block_stride, pairs, panel);
@@ -189,7 +188,6 @@ class WidenRows {
       rows_of<false, NB>(xf, rows, pairs, w, block_stride, out,
                          prefetch ? w + NB * block_stride : nullptr);
     }
-    _mm_setcsr(csr);
   }
   static constexpr bool kAmxOrder = false;  // vdpbf16ps's sums
 

@@ -224,10 +224,8 @@ void nibble_rows(const NibbleRows& in, int64_t rows, const uint8_t* const* rec,
                  const float* panel, float* out) {
   static constexpr auto kTiles =
       nibble_tiles<kWay, NB>(std::make_integer_sequence<int, kNibbleTileRows / NB>{});
-  const unsigned csr = _mm_getcsr();
-  _mm_setcsr(csr | 0x8040);  // FTZ, DAZ: vdpbf16ps's rules for every FMA of the tile
+  const DenormalsAsZero daz_ftz;  // vdpbf16ps's rules for every FMA of the tile
   kTiles[rows - 1](in, rec, panel, out);
-  _mm_setcsr(csr);
 }
 
 // a task's rows in tiles the way `way` runs them

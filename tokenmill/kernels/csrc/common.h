@@ -104,6 +104,20 @@ inline void store_row(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// MXCSR's DAZ and FTZ while it lives, as vdpbf16ps's own rules have them (denormal inputs read
+// as zero, denormal results flushed): float32 FMAs that stand in for vdpbf16ps run under it
+// (bf16_gemm.h's WidenRows, bf16_nibbles.h, paged attention's bf16 items)
+class DenormalsAsZero {
+ public:
+  DenormalsAsZero() : csr_(_mm_getcsr()) { _mm_setcsr(csr_ | 0x8040); }
+  ~DenormalsAsZero() { _mm_setcsr(csr_); }
+  DenormalsAsZero(const DenormalsAsZero&) = delete;
+  DenormalsAsZero& operator=(const DenormalsAsZero&) = delete;
+
+ private:
+  unsigned csr_;
+};
+
 // A register of float32 lanes: 16 with AVX512, 8 with AVX2, 8 plain floats without either.
 #if defined(__AVX512F__)
 struct Vec {

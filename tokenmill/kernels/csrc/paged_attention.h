@@ -132,7 +132,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       const int64_t nrows = (w.t1 - w.t0) * group;
       const bool wide = widen_from > 0 && nrows >= widen_from;
 #if defined(__AVX512BF16__)
-      std::optional<WideAttention> daz_ftz;  // vdpbf16ps's denormal rules for both routes
+      std::optional<DenormalsAsZero> daz_ftz;  // vdpbf16ps's denormal rules, both routes
       if constexpr (kDot) daz_ftz.emplace();
 #endif
       if constexpr (!kDot) qbuf.assign(nrows * head_dim, 0.0f);
