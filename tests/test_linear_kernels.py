@@ -354,8 +354,9 @@ def test_blocks_sum_each_row_alike_at_every_row_count(n, k, bias, quantize):
     """Bf16Blocks over 4-bit groups (csrc/bf16_nibbles.h: vdpbf16ps over the nibbles as bf16
     16 + q, scaled per group in float32) and 8-bit ones (csrc/bf16_q8.h: float32 FMAs over
     scale * q). Each row's outputs are the same bits whatever the rows beside it (tiles of
-    1-16 rows, one or two column blocks, an odd trailing block) and, for 4 bits, by vdpbf16ps
-    or float32 FMAs; they are the float64 product of x and the blocks' weights rounded once to
+    1-16 rows, one or two column blocks, an odd trailing block; for 8 bits 1-12 rows of both
+    blocks, widened in registers up to 32 rows, over a panel from 33) and, for 4 bits, by
+    vdpbf16ps or float32 FMAs; they are the float64 product of x and the blocks' weights rounded once to
     bf16 but for an output next to a rounding boundary -- closer to it than the bf16 weights'
     products (each weight rounded to bf16) -- and SiLU·mul's epilogue gives the products'
     activation bit for bit."""
@@ -363,7 +364,7 @@ def test_blocks_sum_each_row_alike_at_every_row_count(n, k, bias, quantize):
     dense = Bf16Packed.build(weight.bfloat16(), bias_bf16, ops)
     x = rows_of_x(130)
     full = blocks(x)
-    for rows in (1, 2, 8, 9, 16, 17, 64, 65, 130):
+    for rows in (1, 2, 8, 9, 12, 13, 16, 17, 25, 32, 33, 64, 65, 130):
         for start in (0, 130 - rows):
             for widen_from in (0, 1):
                 blocks.widen_from = widen_from

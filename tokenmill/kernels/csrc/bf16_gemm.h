@@ -210,8 +210,7 @@ class WidenRows {
   void rows_of(const float* xf, int64_t rows, int64_t pairs, const W* w, int64_t block_stride,
                float* out, const W* next) {
     for (int64_t r = 0; r < rows;) {
-      const int64_t left = rows - r, tiles = (left + kTileRows - 1) / kTileRows;
-      const int64_t n = (left + tiles - 1) / tiles;
+      const int64_t n = even_tile_rows(rows - r, kTileRows);
       kTiles<kPanel, NB>[n](xf + r * 2 * pairs, 2 * pairs, pairs, w, block_stride, out + r * 32,
                             r == 0 ? next : nullptr);
       r += n;

@@ -239,7 +239,10 @@ void nibble_task_rows(const NibbleRows& in, int64_t rows, const uint8_t* const* 
   if (nb == 2 && kWay == NibbleWay::kPanel) {
     // FMAs over the panel: 9-16 rows as two tiles of both blocks, each broadcast of x feeding
     // two FMAs (one block of 9-16 rows loads one per FMA, and the load ports bound it); in
-    // registers the nibbles would be widened twice, which costs more (16-32 rows)
+    // registers the nibbles would be widened twice, which costs more (16-32 rows). Tiles of
+    // up to 12 rows of both blocks (as bf16_gemm.h's and bf16_q8.h's) measured no faster in
+    // registers (24 / 32 rows 31.0-33.5 / 40-42 ms against 31.0 / 39-40) nor over a panel from
+    // 17 rows (37-38.5 / 46): the widening's shifts and vpternlogd share the FMAs' ports
     const int64_t first = (rows + 1) / 2;
     nibble_rows<kWay, 2>(in, first, rec, panel, out);
     NibbleRows rest = in;

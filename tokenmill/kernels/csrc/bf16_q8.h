@@ -2,10 +2,10 @@
 // float32 FMAs, the weights read in their bits: per k, 16 features' int8 q sign-extended and
 // converted (two operations), times the group's scale d (float32: d * q is exact for a float16
 // d), then one FMA per row. Every output sums x[k] * d q along K in one order, whatever the
-// number of rows (tiles of 1-8 rows x 2 column blocks, 9-16 rows x 1: each row its own
-// accumulators), so a row's sums do not depend on its batch; and they are x times the
-// weights the blocks stand for, not those weights rounded to bf16. x is widened to float32
-// once per call (exact; bf16_gemm.h's WidenRows::prepare, as for bf16 rows on float32 FMAs).
+// number of rows (tiles of 1-12 rows x 2 column blocks: each row its own accumulators), so a
+// row's sums do not depend on its batch; and they are x times the weights the blocks stand
+// for, not those weights rounded to bf16. x is widened to float32 once per call (exact;
+// bf16_gemm.h's WidenRows::prepare, as for bf16 rows on float32 FMAs).
 // The layout is pack_f32_quant_weight's 8-bit one: per column block of 16 features and group,
 // 16 float32 scales then 32 x 16 int8 (k-major), 1.125 bytes per weight.
 // Replaces dequantizing each task's blocks to bf16 for vdpbf16ps, which was slower than the
@@ -24,7 +24,7 @@
 namespace {
 
 constexpr int64_t kQ8Cols = 16;      // features per column block (one zmm of float32)
-constexpr int64_t kQ8TileRows = 16;  // rows per tile (one column block from 9 rows)
+constexpr int64_t kQ8TileRows = 12;  // rows per tile (both column blocks)
 constexpr int64_t kQ8RegisterRows = 32;  // up to this many rows the tiles widen the weights
 // the weights widen as the float32 GEMM's do (f32_gemm.h's f32q_scales / f32q_weights /
 // f32q_block over the same records), one Vec per column block
@@ -79,38 +79,28 @@ constexpr std::array<Q8Tile, sizeof...(R)> q8_tiles(std::integer_sequence<int, R
   return {q8_tile<R + 1, NB, kPanel>...};
 }
 
-// a task's rows (1 <= rows <= kQ8TileRows) over its nb column blocks: both blocks in one tile
-// where they fit (each row's x read once), or in two over a panel, else a block at a time
+// a task's rows (1 <= rows <= kQ8TileRows) over its nb column blocks in one tile: each
+// broadcast of x feeds an FMA per block
 inline void q8_task_rows(const float* x, int64_t xs, int64_t groups, int64_t rows,
                          const Q8Blocks& w, int nb, float* out) {
   using Rows = std::make_integer_sequence<int, kQ8TileRows>;
-  using Half = std::make_integer_sequence<int, kQ8TileRows / 2>;
-  static constexpr auto kTwo = q8_tiles<2, false>(Half{});
+  static constexpr auto kTwo = q8_tiles<2, false>(Rows{});
   static constexpr auto kOne = q8_tiles<1, false>(Rows{});
-  static constexpr auto kTwoPanel = q8_tiles<2, true>(Half{});
+  static constexpr auto kTwoPanel = q8_tiles<2, true>(Rows{});
   static constexpr auto kOnePanel = q8_tiles<1, true>(Rows{});
-  if (nb == 2 && rows <= kQ8TileRows / 2)
-    return (w.panel ? kTwoPanel : kTwo)[rows - 1](x, xs, groups, w, out);
-  if (nb == 2 && w.panel) {
-    // 9-16 rows over the panel as two tiles of both blocks: each broadcast of x feeds two FMAs
-    // (one block of 9-16 rows loads one per FMA, and the load ports bound it); in registers
-    // the weights would be dequantized twice
-    const int64_t first = (rows + 1) / 2;
-    kTwoPanel[first - 1](x, xs, groups, w, out);
-    return kTwoPanel[rows - first - 1](x + first * xs, xs, groups, w, out + first * 32);
-  }
-  for (int b = 0; b < nb; ++b) {
-    const Q8Blocks one{w.rec + b, w.panel ? w.panel + b * w.k_len * kQ8Cols : nullptr, w.k_len};
-    (w.panel ? kOnePanel : kOne)[rows - 1](x, xs, groups, one, out + b * 16);
-  }
+  if (nb == 2) return (w.panel ? kTwoPanel : kTwo)[rows - 1](x, xs, groups, w, out);
+  (w.panel ? kOnePanel : kOne)[rows - 1](x, xs, groups, w, out);
 }
 
 // q8_gemm's thread_buffer for a worker's panel
 struct Q8Panel;
 
 // x W^T over an 8-bit weight packed by pack_f32_quant_weight, task by task (a pair of column
-// blocks, a trailing odd block alone), every row in tiles of up to kQ8TileRows rows. xf: x's
-// `rows` rows widened to float32, k_len apart (bf16_gemm.h's WidenRows::prepare).
+// blocks, a trailing odd block alone), every row in tiles of up to kQ8TileRows rows (shared
+// out evenly among the fewest tiles: 16 rows as two of 8, each broadcast of x feeding an FMA
+// per block where 9-16 rows of one block loaded one per FMA: 24 rows 34.5-36.2 -> 31.7 ms, 32
+// rows 45.6-46.6 -> 42.4, every linear of the default model's step in 8 bits, 2-core Xeon).
+// xf: x's `rows` rows widened to float32, k_len apart (bf16_gemm.h's WidenRows::prepare).
 // epilogue(row, acc, b0, nb) and out_at(row, b0) as packed_gemm's (bf16_gemm.h).
 template <typename Epilogue, typename OutAt>
 void q8_gemm(const float* xf, int64_t rows, int64_t k_len, const at::Tensor& packed,
@@ -131,8 +121,8 @@ void q8_gemm(const float* xf, int64_t rows, int64_t k_len, const at::Tensor& pac
       if (panel)
         for (int b = 0; b < nb; ++b) f32q_block<8>(rec[b], groups, panel + b * k_len * kQ8Cols);
       const Q8Blocks w{rec, panel, k_len};
-      for (int64_t r0 = 0; r0 < rows; r0 += kQ8TileRows) {
-        const int64_t rr = std::min(kQ8TileRows, rows - r0);
+      for (int64_t r0 = 0, rr = 0; r0 < rows; r0 += rr) {
+        rr = even_tile_rows(rows - r0, kQ8TileRows);
         for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
         q8_task_rows(xf + r0 * k_len, k_len, groups, rr, w, nb, scratch);
         for (int64_t r = 0; r < rr; ++r) epilogue(r0 + r, scratch + r * 32, b0, nb);

@@ -59,6 +59,14 @@ T* thread_buffer(size_t size) {
   return buffer.data();
 }
 
+// The rows of the next row tile when `left` rows remain and a tile takes at most `most`:
+// the rows shared out evenly among the fewest tiles (32 rows by 12: 11, 11, 10), so no tile is
+// left with a few rows that keep most of the FMA units idle
+inline int64_t even_tile_rows(int64_t left, int64_t most) {
+  const int64_t tiles = (left + most - 1) / most;
+  return (left + tiles - 1) / tiles;
+}
+
 inline float bits_to_float(uint32_t b) {
   float f;
   std::memcpy(&f, &b, sizeof(f));
