@@ -6,14 +6,16 @@
     python3 benchmarks/compare.py --root ~/peers --peers tokenmill,llamacpp \
         --model gemma3-270m --points 'random c=1,random c=32' --out benchmarks/results/gemma3
 
-All engines are started at once, each on its own port, and stay up (idle servers take no CPU;
+All engines are started at once, each on its own port, and stay up (idle servers take little CPU;
 the CPU time of the idle ones is recorded during every run to show it). Then, for each
 benchmark point, the same requests go to one engine after the other, so slow drift of the
 machine is spread over all of them rather than landing on one; each point starts with another
-engine, and each engine gets up to 8 warm-up requests at once before its run (with two
-warm-up requests one at a time, the engine going first ran up to a quarter slower). Each point
-has its own seed, so no point repeats another's prompts and no prefix cache is warm from an earlier
-point; the warm-up requests have prompts of their own.
+engine, each run waits (up to 30 s) until the other engines' processes have used under 5% of a
+core for a second (an engine's threads can spin on after its own run), and each engine gets
+up to 8 warm-up requests at once before its run (with two warm-up requests one at a time, the
+engine going first ran up to a quarter slower). Each point has its own seed, so no point
+repeats another's prompts and no prefix cache is warm from an earlier point; the warm-up
+requests have prompts of their own.
 
 Points (``tokenmill bench serve`` settings, ignore_eos, temperature 0, streamed):
 random 128 in / 128 out, 64 prompts, concurrency 8, 32 and 1; shared-prefix, 4 groups of 16
@@ -95,6 +97,21 @@ def session_cpu_seconds(leader: int) -> float:
     """CPU time (user + system) of the session's processes."""
     tick = os.sysconf("SC_CLK_TCK")
     return sum((int(f[11]) + int(f[12])) / tick for _, f in session_processes(leader))
+
+
+def wait_for_quiet(pids: list[int], limit_s: float = 30.0, busy_s: float = 0.05) -> float:
+    """Wait until the sessions of ``pids`` used under ``busy_s`` CPU seconds in one second (an
+    engine's threads may spin on for a while after its run; on 2 cores a run that starts then
+    loses a core to them in bursts), for at most ``limit_s``; returns the seconds waited."""
+    t0 = time.perf_counter()
+    before = sum(session_cpu_seconds(p) for p in pids)
+    while pids and time.perf_counter() - t0 < limit_s:
+        time.sleep(1.0)
+        now = sum(session_cpu_seconds(p) for p in pids)
+        if now - before < busy_s:
+            break
+        before = now
+    return time.perf_counter() - t0
 
 
 def session_peak_rss_mib(leader: int) -> float:
@@ -248,6 +265,7 @@ def main() -> int:
                 a = bench_args(settings, srv.url, seed)
                 a.warmup = min(concurrency, 8)  # batched, as the point runs: no cold start
                 reqs = reqs or bench.build_workload(a, tok)
+                waited = wait_for_quiet([s.proc.pid for n, s in servers.items() if n != name])
                 others = {n: session_cpu_seconds(s.proc.pid) for n, s in servers.items()
                           if n != name}
                 t0 = time.perf_counter()
@@ -255,6 +273,7 @@ def main() -> int:
                 summary["others_cpu_s"] = sum(session_cpu_seconds(servers[n].proc.pid) - c
                                               for n, c in others.items())
                 summary["engine"] = name
+                summary["waited_for_quiet_s"] = round(waited, 1)
                 data["runs"].setdefault(point, {})[name] = summary
                 write(data, args.out)
                 print(f"{point:24} {name:10} {summary['completed']}/{summary['failed']} done/"

@@ -46,6 +46,7 @@ def test_compare_quick_with_tokenmill_only(tmp_path):
         assert s["completed"] == 8 and s["failed"] == 0, point
         assert s["total_output_tokens"] == 8 * 16  # ignore_eos: exact output lengths
         assert 0 < s["ttft"]["p99_ms"] <= s["e2el"]["p99_ms"]
+        assert s["waited_for_quiet_s"] < 1  # no other engine to wait for
     table = (out / "compare.md").read_text()
     assert table.count("| tokenmill | 8/0 |") == 2
     assert (out / "compare-sweep.png").read_bytes()[:4] == b"\x89PNG"
@@ -76,3 +77,28 @@ def test_peers_list_and_vllm_alias(tmp_path):
     found = {d.metadata["Name"]: d.version
              for d in importlib.metadata.distributions(path=[str(site)])}
     assert found == {"vllm": peers.VLLM_VERSION}
+
+
+def _compare_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # its sibling machine.py
+    spec = importlib.util.spec_from_file_location("tokenmill_bench_compare",
+                                                  REPO / "benchmarks/compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_runs_wait_for_the_other_engines_to_go_quiet(monkeypatch):
+    """compare.py starts a run once the other engines' sessions stop using CPU (a spinning
+    one is waited for up to the limit; an idle one for the one second it is sampled)."""
+    compare = _compare_module(monkeypatch)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    try:
+        assert compare.wait_for_quiet([busy.pid], limit_s=2.5) >= 2.5
+        assert 1.0 <= compare.wait_for_quiet([idle.pid], limit_s=10) < 2.5
+        assert compare.wait_for_quiet([]) == pytest.approx(0, abs=0.1)
+    finally:
+        busy.kill(), idle.kill()
+        busy.wait(), idle.wait()
