@@ -3,6 +3,7 @@ of one decode step of a model shape through each kernel the plan may pick, again
 (``F.linear``, the reference they replace; their tests: tests/test_linear_kernels.py).
 
     python3 benchmarks/linear_kernels.py                    # SmolLM2-135M shapes
+    python3 benchmarks/linear_kernels.py --kernels Bf16PackedF32 --bf16-rows 512,2048
 
 float32: ``Dense``, ``OneDnn`` (oneDNN's prepacked weights) and ``F32Packed`` (the CPU kernels'
 GEMM); bf16 (where the CPU has AVX512-BF16): ``Dense``, ``Bf16Rows`` (a few rows, on the plain
@@ -54,8 +55,14 @@ def built(build: Callable, weights: list[torch.Tensor]) -> list:
     return out
 
 
-def table(title: str, ladder: dict[str, list], rows: list[int], reps: int,
-          dtype: torch.dtype) -> None:
+def table(title: str, builders: dict[str, Callable], weights: list[torch.Tensor],
+          rows: list[int], reps: int, dtype: torch.dtype, only: set[str]) -> None:
+    """ms per step of each kernel ``builders`` names (those in ``only`` where it names any)
+    built over ``weights``, at each row count."""
+    ladder = {name: built(build, weights) for name, build in builders.items()
+              if not only or name in only}
+    if not ladder:
+        return
     print(f"{title}\nrows  " + "  ".join(f"{name:>14}" for name in ladder))
     for n in rows:
         print(f"{n:4}  " + "  ".join(f"{step_ms(ks, n, reps, dtype):14.1f}"
@@ -80,32 +87,34 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--bf16-rows", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kernels", default="", help="comma-separated columns (default: all)")
     args = ap.parse_args()
+    only = set(filter(None, args.kernels.split(",")))
     torch.manual_seed(0)
     ops = cpu.load()
     weights = [torch.randn(n, k) for n, k in shapes(args)]
     print(f"{len(weights)} projections, {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB "
           f"fp32, {torch.get_num_threads()} threads")
     table("float32 (ms per step)", {
-        "Dense": built(lambda w: Dense(w, None), weights),
-        "OneDnn": built(lambda w: OneDnn.build(w, None), weights),
-        "F32Packed": built(lambda w: F32Packed.build(w, None, ops), weights),
-    }, [int(r) for r in args.rows.split(",")], args.reps, torch.float32)
+        "Dense": lambda w: Dense(w, None),
+        "OneDnn": lambda w: OneDnn.build(w, None),
+        "F32Packed": lambda w: F32Packed.build(w, None, ops),
+    }, weights, [int(r) for r in args.rows.split(",")], args.reps, torch.float32, only)
     if ops is None or not ops.has_bf16_dot:
         return
     weights = [w.bfloat16() for w in weights]
     table("bfloat16 (ms per step; Bf16Rows past SMALL_M_ROWS is F.linear)", {
-        "Dense": built(lambda w: Dense(w, None), weights),
-        "Bf16Rows": built(lambda w: Bf16Rows(w, None, ops), weights),
-        "Bf16Packed": built(lambda w: Bf16Packed.build(w, None, ops), weights),
-        "Bf16PackedF32": built(lambda w: widened(Bf16Packed.build(w, None, ops)), weights),
-        "Bf16Blocks4": built(lambda w: blocks(w, quantize_int4, ops), weights),
-        "Bf16Blocks4F32": built(lambda w: widened(blocks(w, quantize_int4, ops)), weights),
-        "Bf16Blocks8": built(lambda w: blocks(w, quantize_int8, ops), weights),
-        "Bf16Amx": built(lambda w: Bf16Amx.build(w, None, ops), weights),
-        "QuantA8-4": built(lambda w: int8_rows(w, quantize_int4, ops), weights),
-        "QuantA8-8": built(lambda w: int8_rows(w, quantize_int8, ops), weights),
-    }, [int(r) for r in args.bf16_rows.split(",")], args.reps, torch.bfloat16)
+        "Dense": lambda w: Dense(w, None),
+        "Bf16Rows": lambda w: Bf16Rows(w, None, ops),
+        "Bf16Packed": lambda w: Bf16Packed.build(w, None, ops),
+        "Bf16PackedF32": lambda w: widened(Bf16Packed.build(w, None, ops)),
+        "Bf16Blocks4": lambda w: blocks(w, quantize_int4, ops),
+        "Bf16Blocks4F32": lambda w: widened(blocks(w, quantize_int4, ops)),
+        "Bf16Blocks8": lambda w: blocks(w, quantize_int8, ops),
+        "Bf16Amx": lambda w: Bf16Amx.build(w, None, ops),
+        "QuantA8-4": lambda w: int8_rows(w, quantize_int4, ops),
+        "QuantA8-8": lambda w: int8_rows(w, quantize_int8, ops),
+    }, weights, [int(r) for r in args.bf16_rows.split(",")], args.reps, torch.bfloat16, only)
 
 
 def blocks(w: torch.Tensor, quantize: Callable, ops) -> Bf16Blocks | None:

@@ -390,6 +390,31 @@ def test_blocks_sum_each_row_alike_at_every_row_count(n, k, bias, quantize):
 
 
 @needs_bf16_gemm
+def test_many_rows_of_a_long_k_go_in_slices_with_each_rows_bits():
+    """Calls whose widened rows pass 1.5 MiB run every task over one slice of rows before the
+    next (common.h's for_row_slices; K 4,096: slices of at most 64, 96 or 96 rows for bf16,
+    4-bit and 8-bit weights): each row's outputs are still the bits of that row alone or in a
+    call of a few rows, by vdpbf16ps and by float32 FMAs."""
+    n, k = 64, 4096
+    layer = linear(n, k, torch.float32, seed=3)
+    x = torch.randn(150, k)
+    x[::3] *= 1000
+    x = x.bfloat16()
+    bf16 = Bf16Packed.build(layer.weight.detach().bfloat16(), None, ops)
+    kernels = [bf16] + [Bf16Blocks.build_quantized(quantize(layer.weight.detach()), None, ops)
+                        for quantize in (Q.quantize_int4, Q.quantize_int8)]
+    for kernel in kernels:
+        for widen_from in (0, 1):
+            kernel.widen_from = widen_from
+            full = kernel(x)
+            for lo, hi in ((0, 1), (49, 50), (63, 66), (140, 150), (0, 40), (149, 150)):
+                assert torch.equal(bits(kernel(x[lo:hi])), bits(full[lo:hi])), \
+                    (kernel.describe(), widen_from, lo, hi)
+    ref = x.double() @ layer.weight.detach().bfloat16().double().T
+    torch.testing.assert_close(bf16(x).double(), ref, rtol=1e-2, atol=ref.abs().max() * 1e-3)
+
+
+@needs_bf16_gemm
 def test_blocks_the_bf16_gemm_cannot_take_go_to_the_next_kernel():
     per_feature = Q.quantize_int8(torch.randn(32, 48), group_size=None)  # one scale per row
     assert Bf16Blocks.build_quantized(per_feature, None, ops) is None

@@ -290,33 +290,35 @@ void nibble_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t widen_fr
   });
   const NibbleRows in_all{xp, xf, wide ? k_len : xs, sums, groups};
   const uint8_t* q = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    float scratch[kNibbleTileRows * 32];
-    // more rows than kNibbleRegisterRows share a panel; fewer widen in registers
-    float* const panel = wide && rows > kNibbleRegisterRows
-                             ? thread_buffer<float, NibbleRows, kNibblePanel>(2 * groups * 512)
-                             : nullptr;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b0 = 2 * t;
-      const int nb = b0 + 1 < blocks ? 2 : 1;
-      const uint8_t* rec[2] = {q + b0 * block_bytes, q + (b0 + nb - 1) * block_bytes};
-      if (panel) widen_nibbles(rec, nb, groups, panel);
-      for (int64_t r0 = 0; r0 < rows; r0 += kNibbleTileRows) {
-        const int64_t rr = std::min(kNibbleTileRows, rows - r0);
-        for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
-        NibbleRows in = in_all;
-        in.x += r0 * xs;
-        in.xf += wide ? r0 * k_len : 0;
-        in.sums += r0 * groups;
-        if (!wide)
-          nibble_task_rows<NibbleWay::kDot>(in, rr, rec, nb, nullptr, groups, scratch);
-        else if (panel)
-          nibble_task_rows<NibbleWay::kPanel>(in, rr, rec, nb, panel, groups, scratch);
-        else
-          nibble_task_rows<NibbleWay::kRegisters>(in, rr, rec, nb, nullptr, groups, scratch);
-        for (int64_t r = 0; r < rr; ++r) epilogue(r0 + r, scratch + r * 32, b0, nb);
+  for_row_slices(rows, k_len, kNibbleTileRows, [&](int64_t s0, int64_t s1) {
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      float scratch[kNibbleTileRows * 32];
+      // more rows than kNibbleRegisterRows share a panel; fewer widen in registers
+      float* const panel = wide && rows > kNibbleRegisterRows
+                               ? thread_buffer<float, NibbleRows, kNibblePanel>(2 * groups * 512)
+                               : nullptr;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b0 = 2 * t;
+        const int nb = b0 + 1 < blocks ? 2 : 1;
+        const uint8_t* rec[2] = {q + b0 * block_bytes, q + (b0 + nb - 1) * block_bytes};
+        if (panel) widen_nibbles(rec, nb, groups, panel);
+        for (int64_t r0 = s0; r0 < s1; r0 += kNibbleTileRows) {
+          const int64_t rr = std::min(kNibbleTileRows, s1 - r0);
+          for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
+          NibbleRows in = in_all;
+          in.x += r0 * xs;
+          in.xf += wide ? r0 * k_len : 0;
+          in.sums += r0 * groups;
+          if (!wide)
+            nibble_task_rows<NibbleWay::kDot>(in, rr, rec, nb, nullptr, groups, scratch);
+          else if (panel)
+            nibble_task_rows<NibbleWay::kPanel>(in, rr, rec, nb, panel, groups, scratch);
+          else
+            nibble_task_rows<NibbleWay::kRegisters>(in, rr, rec, nb, nullptr, groups, scratch);
+          for (int64_t r = 0; r < rr; ++r) epilogue(r0 + r, scratch + r * 32, b0, nb);
+        }
       }
-    }
+    });
   });
 }
 

@@ -108,26 +108,28 @@ void q8_gemm(const float* xf, int64_t rows, int64_t k_len, const at::Tensor& pac
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   const int64_t block_bytes = groups * packed.size(2);
   const uint8_t* q = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    float scratch[kQ8TileRows * 32];
-    // more rows than kQ8RegisterRows share a panel per task; fewer widen in registers
-    float* const panel = rows > kQ8RegisterRows
-                             ? thread_buffer<float, Q8Panel>(2 * k_len * kQ8Cols)
-                             : nullptr;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b0 = 2 * t;
-      const int nb = b0 + 1 < blocks ? 2 : 1;
-      const uint8_t* rec[2] = {q + b0 * block_bytes, q + (b0 + nb - 1) * block_bytes};
-      if (panel)
-        for (int b = 0; b < nb; ++b) f32q_block<8>(rec[b], groups, panel + b * k_len * kQ8Cols);
-      const Q8Blocks w{rec, panel, k_len};
-      for (int64_t r0 = 0, rr = 0; r0 < rows; r0 += rr) {
-        rr = even_tile_rows(rows - r0, kQ8TileRows);
-        for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
-        q8_task_rows(xf + r0 * k_len, k_len, groups, rr, w, nb, scratch);
-        for (int64_t r = 0; r < rr; ++r) epilogue(r0 + r, scratch + r * 32, b0, nb);
+  for_row_slices(rows, k_len, kQ8TileRows, [&](int64_t s0, int64_t s1) {
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      float scratch[kQ8TileRows * 32];
+      // more rows than kQ8RegisterRows share a panel per task; fewer widen in registers
+      float* const panel = rows > kQ8RegisterRows
+                               ? thread_buffer<float, Q8Panel>(2 * k_len * kQ8Cols)
+                               : nullptr;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b0 = 2 * t;
+        const int nb = b0 + 1 < blocks ? 2 : 1;
+        const uint8_t* rec[2] = {q + b0 * block_bytes, q + (b0 + nb - 1) * block_bytes};
+        if (panel)
+          for (int b = 0; b < nb; ++b) f32q_block<8>(rec[b], groups, panel + b * k_len * kQ8Cols);
+        const Q8Blocks w{rec, panel, k_len};
+        for (int64_t r0 = s0, rr = 0; r0 < s1; r0 += rr) {
+          rr = even_tile_rows(s1 - r0, kQ8TileRows);
+          for (int64_t r = r0; r < r0 + rr; ++r) _mm_prefetch(out_at(r, b0), _MM_HINT_ET0);
+          q8_task_rows(xf + r0 * k_len, k_len, groups, rr, w, nb, scratch);
+          for (int64_t r = 0; r < rr; ++r) epilogue(r0 + r, scratch + r * 32, b0, nb);
+        }
       }
-    }
+    });
   });
 }
 

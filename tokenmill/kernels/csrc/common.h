@@ -67,6 +67,21 @@ inline int64_t even_tile_rows(int64_t left, int64_t most) {
   return (left + tiles - 1) / tiles;
 }
 
+// fn(s0, s1) over [0, rows) in slices of at most 1.5 MiB of float32 rows of k_len (but at
+// least `least` rows), the rows shared out evenly: a GEMM that runs every task over one slice
+// before the next keeps the slice's x in L2 while its tasks read it, where all of x at once
+// streams it from L3 once per task (bf16_gemm.h's packed_gemm)
+template <typename Fn>
+void for_row_slices(int64_t rows, int64_t k_len, int64_t least, const Fn& fn) {
+  constexpr int64_t kSliceBytes = 3 << 19;
+  const int64_t most = std::max<int64_t>(
+      least, kSliceBytes / (k_len * int64_t{sizeof(float)}) / least * least);
+  for (int64_t s0 = 0, s1 = 0; s0 < rows; s0 = s1) {
+    s1 = s0 + even_tile_rows(rows - s0, most);
+    fn(s0, s1);
+  }
+}
+
 inline float bits_to_float(uint32_t b) {
   float f;
   std::memcpy(&f, &b, sizeof(f));
