@@ -357,9 +357,9 @@ def test_blocks_sum_each_row_alike_at_every_row_count(n, k, bias, quantize):
     1-16 rows, one or two column blocks, an odd trailing block; for 8 bits 1-12 rows of both
     blocks, widened in registers up to 32 rows, over a panel from 33) and, for 4 bits, by
     vdpbf16ps or float32 FMAs; they are the float64 product of x and the blocks' weights
-    rounded once to bf16 but for an output next to a rounding boundary -- closer to it than the bf16 weights'
-    products (each weight rounded to bf16) -- and SiLU·mul's epilogue gives the products'
-    activation bit for bit."""
+    rounded once to bf16 but for an output next to a rounding boundary -- closer to it than
+    the bf16 weights' products (each weight rounded to bf16) -- and SiLU·mul's epilogue gives
+    the products' activation bit for bit."""
     blocks, gated, weight, bias_bf16, rows_of_x = _blocks_and_rows(n, k, bias, quantize)
     dense = Bf16Packed.build(weight.bfloat16(), bias_bf16, ops)
     x = rows_of_x(130)
