@@ -74,8 +74,8 @@ inline int64_t even_tile_rows(int64_t left, int64_t most) {
 template <typename Fn>
 void for_row_slices(int64_t rows, int64_t k_len, int64_t least, const Fn& fn) {
   constexpr int64_t kSliceBytes = 3 << 19;
-  const int64_t most = std::max<int64_t>(
-      least, kSliceBytes / (k_len * int64_t{sizeof(float)}) / least * least);
+  const int64_t row_bytes = std::max<int64_t>(k_len, 1) * int64_t{sizeof(float)};
+  const int64_t most = std::max<int64_t>(least, kSliceBytes / row_bytes / least * least);
   for (int64_t s0 = 0, s1 = 0; s0 < rows; s0 = s1) {
     s1 = s0 + even_tile_rows(rows - s0, most);
     fn(s0, s1);
