@@ -138,12 +138,10 @@ void f32_rows(std::integer_sequence<int, R...>, const float* x, int64_t x_stride
   using Tile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const F32Out&,
                         bool);
   static constexpr Tile kTiles[] = {f32_tile<R + 1, NB>...};
-  const int64_t tiles = (rows + kF32TileRows - 1) / kF32TileRows;
-  for (int64_t t = 0, r = 0; t < tiles; ++t) {
-    const int64_t n = rows / tiles + (t < rows % tiles);
+  for (int64_t r = 0, n = 0; r < rows; r += n) {
+    n = even_tile_rows(rows - r, kF32TileRows);
     kTiles[n - 1](x + r * x_stride, x_stride, k_len, w, block_stride, o.at(r, 0),
-                  prefetch && t == 0);
-    r += n;
+                  prefetch && r == 0);
   }
 }
 
