@@ -5,8 +5,8 @@ of one decode step of a model shape through each kernel the plan may pick, again
     python3 benchmarks/linear_kernels.py                    # SmolLM2-135M shapes
     python3 benchmarks/linear_kernels.py --kernels Bf16PackedF32 --bf16-rows 512,2048
 
-float32: ``Dense``, ``OneDnn`` (oneDNN's prepacked weights) and ``F32Packed`` (the CPU kernels'
-GEMM); bf16 (where the CPU has AVX512-BF16): ``Dense``, ``Bf16Rows`` (a few rows, on the plain
+float32: ``Dense``, ``OneDnn`` (oneDNN's prepacked weights), ``F32Packed`` (the CPU kernels'
+GEMM) and ``F32Blocks4`` / ``F32Blocks8`` (4/8-bit groups of 32 widened to float32 on it); bf16 (where the CPU has AVX512-BF16): ``Dense``, ``Bf16Rows`` (a few rows, on the plain
 weight; ``SMALL_M_ROWS``), ``Bf16Packed`` and ``Bf16PackedF32`` (its weight's rows as float32
 FMAs, the same bits), ``Bf16Blocks4`` / ``Bf16Blocks8`` (the weights in 4/8-bit groups of 32
 on the packed bf16 GEMM: ``--quantization`` in bf16) and ``Bf16Blocks4F32`` (those rows as
@@ -99,6 +99,8 @@ def main() -> None:
         "Dense": lambda w: Dense(w, None),
         "OneDnn": lambda w: OneDnn.build(w, None),
         "F32Packed": lambda w: F32Packed.build(w, None, ops),
+        "F32Blocks4": lambda w: f32_blocks(w, quantize_int4, ops),
+        "F32Blocks8": lambda w: f32_blocks(w, quantize_int8, ops),
     }, weights, [int(r) for r in args.rows.split(",")], args.reps, torch.float32, only)
     if ops is None or not ops.has_bf16_dot:
         return
@@ -119,6 +121,12 @@ def main() -> None:
 
 def blocks(w: torch.Tensor, quantize: Callable, ops) -> Bf16Blocks | None:
     return Bf16Blocks.build_quantized(quantize(w), None, ops)
+
+
+def f32_blocks(w: torch.Tensor, quantize: Callable, ops) -> F32Packed | None:
+    """The 4/8-bit weight in its bits on the float32 GEMM (widened to float32 as multiplied:
+    the default on a CPU without native bf16 for a GGUF's Q4_1 / Q8_0 blocks)."""
+    return F32Packed.build_quantized(quantize(w), None, ops, int8_activations=False)
 
 
 def int8_rows(w: torch.Tensor, quantize: Callable, ops) -> QuantBytes | None:
