@@ -6,7 +6,8 @@ of one decode step of a model shape through each kernel the plan may pick, again
     python3 benchmarks/linear_kernels.py --kernels Bf16PackedF32 --bf16-rows 512,2048
 
 float32: ``Dense``, ``OneDnn`` (oneDNN's prepacked weights), ``F32Packed`` (the CPU kernels'
-GEMM) and ``F32Blocks4`` / ``F32Blocks8`` (4/8-bit groups of 32 widened to float32 on it); bf16 (where the CPU has AVX512-BF16): ``Dense``, ``Bf16Rows`` (a few rows, on the plain
+GEMM) and ``F32Blocks4`` / ``F32Blocks8`` (4/8-bit groups of 32 widened to float32 on it);
+bf16 (where the CPU has AVX512-BF16): ``Dense``, ``Bf16Rows`` (a few rows, on the plain
 weight; ``SMALL_M_ROWS``), ``Bf16Packed`` and ``Bf16PackedF32`` (its weight's rows as float32
 FMAs, the same bits), ``Bf16Blocks4`` / ``Bf16Blocks8`` (the weights in 4/8-bit groups of 32
 on the packed bf16 GEMM: ``--quantization`` in bf16) and ``Bf16Blocks4F32`` (those rows as
