@@ -3,7 +3,10 @@ expected-skip list matches what it should and nothing else."""
 
 from __future__ import annotations
 
+import ast
+import fnmatch
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -52,6 +55,60 @@ def test_expected_skips_allow_only_what_they_name():
         "tests/test_cpu_kernels.py::test_z": "no C++ compiler: the kernels fall back",
         "tests/test_triton_attention.py": "could not import 'triton'",
         "tests/test_server.py::test_w": "needs CUDA"}
+
+
+# Instruction sets a CI machine may lack: both the AVX2-only EPYCs and the AVX512-BF16 / AMX
+# Xeons run CI, so a skip for any of these happens on one of them. A reason that names AVX2 is
+# met by every CI machine.
+MAY_LACK = re.compile(r"AVX512|AMX|VNNI|bf16 GEMM|bfloat16 GEMM")
+
+
+def literal_skip_reasons(path: Path) -> set[str]:
+    """The string literals a test file gives as skip reasons: ``skipif(..., reason=...)`` and
+    ``pytest.skip(...)`` (a reason built at run time is not seen)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        texts = ([k.value for k in node.keywords if k.arg == "reason"] if name == "skipif"
+                 else node.args[:1] if name == "skip" else [])
+        found |= {t.value for t in texts
+                  if isinstance(t, ast.Constant) and isinstance(t.value, str)}
+    return found
+
+
+def unlisted_instruction_set_skips(rules: list[tuple[str, str]]) -> list[str]:
+    """``file | reason`` for every skip reason naming an instruction set a CI machine may lack
+    that no rule of ``rules`` could allow (the rule's file part matches and its text is in the
+    reason): the skips that fail a strict run on the machines without it."""
+    missing = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        name = f"tests/{path.name}"
+        for why in sorted(literal_skip_reasons(path)):
+            if not MAY_LACK.search(why) or "AVX2" in why:
+                continue
+            if not any(fnmatch.fnmatchcase(name, pattern.split("::")[0]) and reason in why
+                       for pattern, reason in rules):
+                missing.append(f"{name} | {why}")
+    return missing
+
+
+def test_every_instruction_set_skip_is_listed():
+    """CI machines differ (AVX2-only or AVX512-BF16 / AMX): a test that skips for an instruction
+    set on one of them must be listed, or CI fails only there. Checked from the sources, so a
+    run on either machine catches it."""
+    assert unlisted_instruction_set_skips(load_expected_skips()) == []
+
+
+def test_the_instruction_set_check_finds_an_unlisted_skip():
+    """Without the rules for AVX512-BF16 the check names those skips (it has teeth)."""
+    rules = [(p, r) for p, r in load_expected_skips() if "AVX512-BF16" not in r]
+    missing = unlisted_instruction_set_skips(rules)
+    assert "tests/test_attention_wide.py | the two routes need the kernels built for " \
+        "AVX512-BF16" in missing
+    assert "tests/test_cpu_kernels.py | needs AVX512-BF16" in missing
 
 
 def test_skipping_on_request():
