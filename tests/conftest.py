@@ -29,7 +29,11 @@ def _own_cores() -> None:
     if not worker or not count or not hasattr(os, "sched_setaffinity"):
         return
     cores = sorted(os.sched_getaffinity(0))
+    # xdist numbers a worker that replaces a crashed one on from gw<count>: it takes the share
+    # its number gives modulo the count (maybe a live worker's; an empty mask would fail this
+    # import in every replacement, and the run would end in a loop of dead workers)
     index, count = int(worker.removeprefix("gw")), int(count)
+    index %= count
     if len(cores) >= count:
         mine = cores[index::count]
         os.sched_setaffinity(0, mine)

@@ -126,3 +126,28 @@ def test_an_unlisted_skip_fails_a_strict_run(strict, code):
     assert run.returncode == code, run.stdout + run.stderr
     assert "deliberately skipped" in run.stdout  # -rs prints the reason
     assert ("unexpected skips" in run.stdout) == (strict == "1")
+
+
+@pytest.mark.parametrize("worker,share", [("gw0", [0, 2]), ("gw1", [1, 3]), ("gw2", [0, 2]),
+                                          ("gw5", [1, 3])])
+def test_a_replacement_worker_gets_cores(worker, share, monkeypatch):
+    """A worker xdist starts after one crashed (gw2, gw3, ... in a 2-worker run) takes a share
+    of the cores as the first ones do, never an empty mask (which the kernel refuses: conftest
+    failed to import in every replacement)."""
+    import torch
+
+    from tests import conftest
+
+    def set_affinity(pid, mask):
+        if not mask:
+            raise OSError(22, "Invalid argument")
+        pinned.append(sorted(mask))
+
+    pinned, threads = [], []
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(os, "sched_setaffinity", set_affinity, raising=False)
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    conftest._own_cores()
+    assert pinned == [share] and threads == [2]
