@@ -38,8 +38,10 @@ KV_BUDGET = 2 << 30
 
 
 def run_json(cmd: list[str]) -> dict:
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout
-    return json.loads(out[out.index("{"):])
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if done.returncode:  # the child's own words, not only its exit status
+        raise SystemExit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout[done.stdout.index("{"):])
 
 
 def greedy_tokens(dtype: str, weights: str, kv: str) -> tuple[list[list[int]], int]:
