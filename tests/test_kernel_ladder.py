@@ -58,7 +58,7 @@ def syntax_check(cmd: list[str], source: str) -> tuple[str, str]:
 
 
 def check_all(jobs: list[tuple[list[str], str]],
-              done: list[tuple[str, str]] = ()) -> None:
+              done: tuple[tuple[str, str], ...] = ()) -> None:
     """Each (compiler command, source) at once, a job per core; fails with every error (and
     those of the ``done`` results)."""
     with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
@@ -90,7 +90,7 @@ def test_every_header_compiles_alone(tmp_path):
                     capture_output=True)
         common = pool.submit(syntax_check, cmd, '#include "common.h"\n')
     check_all([([*cmd, "-include", str(pre)], f'#include "{h.name}"\n')
-               for h in HEADERS if h.name != "common.h"], [common.result()])
+               for h in HEADERS if h.name != "common.h"], (common.result(),))
 
 
 def test_every_header_includes_common_before_its_code():
