@@ -354,6 +354,35 @@ def test_float_model_quantized_at_load(tmp_path, quantization, tol):
     assert 0 < rel < tol  # changed (it is quantized), but not by much
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantizing_load_lets_each_float_weight_go_at_once(tmp_path, monkeypatch, quantization):
+    """Each linear is quantized as soon as its weight is complete, and its float32 weight is
+    gone before the next layer's is read: the model is never whole in float32 beside its
+    quantized copy (the peak memory of ``--quantization int8``). The result is the one that
+    quantizing after the load gives, bit for bit."""
+    import weakref
+
+    from tests.tiny_models import save_hf_model
+    from tokenmill.model import loader
+
+    path = save_hf_model(make_hf_model("smollm2"), tmp_path / "hf")
+    ids = [3, 17, 42, 5, 88, 1, 60, 29, 11]
+    done = []
+    format_linear = loader.format_linear
+
+    def watched(layer, role, plan):
+        assert all(ref() is None for ref in done), "an earlier layer's float weight is held"
+        done.append(weakref.ref(layer.weight))
+        format_linear(layer, role, plan)
+
+    monkeypatch.setattr(loader, "format_linear", watched)
+    streamed = _logits(load_model(str(path), "cpu", "float32", "auto", quantization), ids)
+    assert len(done) == 4 * 2 and all(ref() is None for ref in done)  # 2 layers of 4 linears
+    monkeypatch.setattr(loader, "format_linear", lambda *_: None)  # all by apply_formats
+    after = _logits(load_model(str(path), "cpu", "float32", "auto", quantization), ids)
+    assert torch.equal(streamed, after)
+
+
 @pytest.mark.parametrize("n,k,rows", [(64, 96, 1), (48, 160, 7), (256, 64, 33)])
 def test_fp8_linear_within_the_format_bound(n, k, rows):
     """fp8 weights (per-channel scales) times fp8 activations (per-row scales): each product

@@ -17,6 +17,7 @@ from tokenmill.config import RopeScaling
 from tokenmill.model.linear.activation import fused_ops, silu_and_mul
 from tokenmill.model.linear.base import LinearKernel
 from tokenmill.model.linear.dense import Dense
+from tokenmill.model.linear.quantized import QuantBytes
 from tokenmill.model.quant import QuantWeight, concat_rows, dequantize, embedding_rows
 
 __all__ = ["Embedding", "Linear", "RMSNorm", "RotaryEmbedding", "ShardedLinear", "apply_rope",
@@ -102,8 +103,11 @@ class Linear(nn.Module):
         return True
 
     def set_quantized(self, qw: QuantWeight) -> None:
+        """Hold ``qw`` instead of the float weight, which goes (the placeholder kernel's
+        reference to it too: until the plan's kernel is built, PyTorch dequantizes ``qw``)."""
         self.quant = qw.to(self.weight.device)
         self.weight = None
+        self.kernel = QuantBytes(self.quant, self.bias, None)
 
 
 class Embedding(nn.Module):

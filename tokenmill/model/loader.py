@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,15 +16,16 @@ from tokenmill.distributed.layout import RankPosition
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.cpu import load as load_cpu_kernels
 from tokenmill.model.linear import LinearPlan, plan_linears
+from tokenmill.model.layers import Linear
 from tokenmill.model.linear.setup import apply_formats, build_kernels, choose_onednn_rows
-from tokenmill.model.linear.setup import choose_widen_rows, describe_weights, route_to_onednn
-from tokenmill.model.linear.setup import route_widened
+from tokenmill.model.linear.setup import choose_widen_rows, describe_weights, format_linear
+from tokenmill.model.linear.setup import layer_role, route_to_onednn, route_widened
 from tokenmill.model.quant import QUANTIZATIONS, QuantWeight, dequantize
 from tokenmill.model.registry import model_class
 from tokenmill.model.sharding import rank_slice, stage_name
 from tokenmill.model_source import ModelSource, resolve_model
 from tokenmill.platform import Machine
-from tokenmill.util import tracked
+from tokenmill.util import release_free_heap, tracked
 
 if TYPE_CHECKING:
     from tokenmill.kernels.triton_fused import FusedOps
@@ -87,12 +88,16 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     module = build_model(local, device, backend, comm)
     if position is not None:
         weights = _rank_weights(weights, position, cfg)
-    load_weights(module, weights, str(source.path))
+    # each linear in the plan's format as soon as its weight is in: a float32 model to
+    # quantize is never whole in memory beside its quantized copy
+    load_weights(module, weights, str(source.path),
+                 on_linear=lambda name, layer: format_linear(layer, layer_role(name), plan))
     loaded = LoadedModel(module, local, source, plan=plan, position=position)
     build_linears(loaded, ops)
     if getattr(backend, "name", None) == "cpu" and local.dtype == "bfloat16":
         choose_attention_route(loaded, ops)
     use_gpu_ops(module, fused_gpu_ops(module, device, backend))
+    release_free_heap()
     return loaded
 
 
@@ -203,14 +208,17 @@ def build_model(cfg: ModelConfig, device: str, backend: AttentionBackend,
 
 
 def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 origin: str) -> None:
+                 origin: str, on_linear: Callable[[str, Linear], None] | None = None) -> None:
     """Copy checkpoint tensors into parameters through each parameter's weight_loader. A model
     whose checkpoints name or shape tensors differently from its parameters (experts stored
-    one by one, a fused projection to split) maps them by its ``checkpoint_weights``."""
+    one by one, a fused projection to split) maps them by its ``checkpoint_weights``.
+    ``on_linear(name, layer)`` is called for each linear layer once its weight's last shard
+    is in (a tied output layer, loaded as the embedding, is not)."""
     adapt = getattr(module, "checkpoint_weights", None)
     if adapt is not None:
         weights = adapt(weights)
-    params = dict(module.named_parameters())
+    params: dict[str, nn.Parameter | object] = dict(module.named_parameters())
+    finished = object()  # in ``params`` for a weight that ``on_linear`` replaced
     loaded: set[str] = set()
     for name, tensor in tracked(weights, f"loading {origin.rsplit('/', 1)[-1]}",
                                 unit="tensors"):
@@ -222,6 +230,9 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         param = params.get(target)
         if param is None:
             raise ModelLoadError(f"{origin}: checkpoint tensor {name!r} has no place in the model")
+        if param is finished:
+            raise ModelLoadError(f"{origin}: checkpoint tensor {name!r} comes again after its "
+                                 "layer was complete")
         if isinstance(tensor, QuantWeight):  # kept quantized where the layer takes it
             owner = module.get_submodule(target.rpartition(".")[0])
             if target.endswith(".weight") and hasattr(owner, "load_quantized"):
@@ -229,16 +240,24 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                     owner.load_quantized(tensor, shard)
                 except ValueError as e:
                     raise ModelLoadError(f"{origin}: tensor {name!r}: {e}") from e
-                loaded.add(f"{target}:{shard}")
-                continue
-            tensor = dequantize(tensor)
-        try:
-            with torch.no_grad():
-                param.weight_loader(param, tensor.to(param.dtype),
-                                    *([] if shard is None else [shard]))
-        except ValueError as e:
-            raise ModelLoadError(f"{origin}: tensor {name!r}: {e}") from e
+            else:
+                tensor = dequantize(tensor)
+        if not isinstance(tensor, QuantWeight):
+            try:
+                with torch.no_grad():
+                    param.weight_loader(param, tensor.to(param.dtype),
+                                        *([] if shard is None else [shard]))
+            except ValueError as e:
+                raise ModelLoadError(f"{origin}: tensor {name!r}: {e}") from e
         loaded.add(f"{target}:{shard}")
+        owner_name, _, leaf = target.rpartition(".")
+        if on_linear is not None and leaf == "weight" and all(
+                f"{target}:{s}" in loaded for s in _shards(param)):
+            owner = module.get_submodule(owner_name)
+            if isinstance(owner, Linear):
+                on_linear(owner_name, owner)
+                if owner.weight is not param:  # quantized: this is the last reference
+                    params[target] = finished
     _check_complete(module, loaded, origin)
 
 
@@ -249,13 +268,17 @@ def _target(name: str) -> tuple[str, object]:
     return name, None
 
 
+def _shards(param: nn.Parameter) -> list:
+    """The shard ids a parameter is loaded in (a fused projection's), or [None]."""
+    offsets = getattr(getattr(param.weight_loader, "__self__", None), "offsets", None)
+    return list(offsets) if offsets else [None]
+
+
 def _check_complete(module: nn.Module, loaded: set[str], origin: str) -> None:
     missing = []
     for name, param in module.named_parameters():
-        offsets = getattr(getattr(param.weight_loader, "__self__", None), "offsets", None)
-        shards = list(offsets) if offsets else [None]
         missing += [f"{name}[{s}]" if s is not None else name
-                    for s in shards if f"{name}:{s}" not in loaded]
+                    for s in _shards(param) if f"{name}:{s}" not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"{origin}: checkpoint lacks {len(missing)} tensors: {shown}")

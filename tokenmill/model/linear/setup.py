@@ -33,7 +33,7 @@ def named_linears(module: nn.Module) -> Iterator[tuple[str, str, Linear]]:
     """(name, role, layer) for every linear layer of ``module``."""
     for name, layer in module.named_modules():
         if isinstance(layer, Linear):
-            yield name, ROLE_OF.get(name.rpartition(".")[2], "other"), layer
+            yield name, layer_role(name), layer
 
 
 def _param_uses(module: nn.Module) -> dict[int, int]:
@@ -60,13 +60,25 @@ def apply_formats(module: nn.Module, plan: LinearPlan) -> None:
         elif qw is not None:
             embedding.quant, embedding.weight = qw, None
     for _, role, layer in named_linears(module):
-        layer.finish_quantized()
-        fmt = plan.format_of(role)
-        if fmt is not None and layer.weight is not None:
-            layer.set_quantized(quantize_as(layer.weight.detach(), fmt))
+        format_linear(layer, role, plan)
     if tied and lm_head is not None and lm_head.quant is not None:
         for embedding in embeddings:
             embedding.quant, embedding.weight = lm_head.quant, None
+
+
+def format_linear(layer: Linear, role: str, plan: LinearPlan) -> None:
+    """One layer's part of ``apply_formats``, which a load may also do as soon as the layer's
+    weight is complete (``load_weights``' ``on_linear``): the float32 copy of a weight to
+    quantize then goes before the next layer's is read."""
+    layer.finish_quantized()
+    fmt = plan.format_of(role)
+    if fmt is not None and layer.weight is not None:
+        layer.set_quantized(quantize_as(layer.weight.detach(), fmt))
+
+
+def layer_role(name: str) -> str:
+    """A linear layer's role in a plan (``ROLE_OF``) from its module name."""
+    return ROLE_OF.get(name.rpartition(".")[2], "other")
 
 
 def quantize_as(w: torch.Tensor, fmt: str) -> QuantWeight:
