@@ -357,9 +357,10 @@ def test_float_model_quantized_at_load(tmp_path, quantization, tol):
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_a_quantizing_load_lets_each_float_weight_go_at_once(tmp_path, monkeypatch, quantization):
     """Each linear is quantized as soon as its weight is complete, and its float32 weight is
-    gone before the next layer's is read: the model is never whole in float32 beside its
-    quantized copy (the peak memory of ``--quantization int8``). The result is the one that
-    quantizing after the load gives, bit for bit."""
+    gone before the next layer's is read (a tied output layer's with the embedding's table):
+    the model is never whole in float32 beside its quantized copy (the peak memory of
+    ``--quantization int8``). The result is the one that quantizing after the load gives, bit
+    for bit."""
     import weakref
 
     from tests.tiny_models import save_hf_model
@@ -377,7 +378,8 @@ def test_a_quantizing_load_lets_each_float_weight_go_at_once(tmp_path, monkeypat
 
     monkeypatch.setattr(loader, "format_linear", watched)
     streamed = _logits(load_model(str(path), "cpu", "float32", "auto", quantization), ids)
-    assert len(done) == 4 * 2 and all(ref() is None for ref in done)  # 2 layers of 4 linears
+    # 2 layers of 4 linears, and the tied output layer (the embedding's table, gone with it)
+    assert len(done) == 4 * 2 + 1 and all(ref() is None for ref in done)
     monkeypatch.setattr(loader, "format_linear", lambda *_: None)  # all by apply_formats
     after = _logits(load_model(str(path), "cpu", "float32", "auto", quantization), ids)
     assert torch.equal(streamed, after)

@@ -20,6 +20,7 @@ from tokenmill.model.layers import Linear
 from tokenmill.model.linear.setup import apply_formats, build_kernels, choose_onednn_rows
 from tokenmill.model.linear.setup import choose_widen_rows, describe_weights, format_linear
 from tokenmill.model.linear.setup import layer_role, route_to_onednn, route_widened
+from tokenmill.model.linear.setup import tie_quantized_head
 from tokenmill.model.quant import QUANTIZATIONS, QuantWeight, dequantize
 from tokenmill.model.registry import model_class
 from tokenmill.model.sharding import rank_slice, stage_name
@@ -88,10 +89,14 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     module = build_model(local, device, backend, comm)
     if position is not None:
         weights = _rank_weights(weights, position, cfg)
+    def format_now(name: str, layer: Linear) -> None:
+        format_linear(layer, layer_role(name), plan)
+        if layer is getattr(module, "lm_head", None):
+            tie_quantized_head(module)  # the tied embedding's float32 table goes too
+
     # each linear in the plan's format as soon as its weight is in: a float32 model to
     # quantize is never whole in memory beside its quantized copy
-    load_weights(module, weights, str(source.path),
-                 on_linear=lambda name, layer: format_linear(layer, layer_role(name), plan))
+    load_weights(module, weights, str(source.path), on_linear=format_now)
     loaded = LoadedModel(module, local, source, plan=plan, position=position)
     build_linears(loaded, ops)
     if getattr(backend, "name", None) == "cpu" and local.dtype == "bfloat16":
@@ -213,12 +218,16 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     whose checkpoints name or shape tensors differently from its parameters (experts stored
     one by one, a fused projection to split) maps them by its ``checkpoint_weights``.
     ``on_linear(name, layer)`` is called for each linear layer once its weight's last shard
-    is in (a tied output layer, loaded as the embedding, is not)."""
+    is in (a tied output layer's: once the embedding's is)."""
     adapt = getattr(module, "checkpoint_weights", None)
     if adapt is not None:
         weights = adapt(weights)
     params: dict[str, nn.Parameter | object] = dict(module.named_parameters())
     finished = object()  # in ``params`` for a weight that ``on_linear`` replaced
+    linears: dict[int, list[tuple[str, Linear]]] = {}  # parameter -> the linears it weighs
+    for name, layer in module.named_modules() if on_linear is not None else ():
+        if isinstance(layer, Linear) and layer.weight is not None:
+            linears.setdefault(id(layer.weight), []).append((name, layer))
     loaded: set[str] = set()
     for name, tensor in tracked(weights, f"loading {origin.rsplit('/', 1)[-1]}",
                                 unit="tensors"):
@@ -250,14 +259,12 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             except ValueError as e:
                 raise ModelLoadError(f"{origin}: tensor {name!r}: {e}") from e
         loaded.add(f"{target}:{shard}")
-        owner_name, _, leaf = target.rpartition(".")
-        if on_linear is not None and leaf == "weight" and all(
-                f"{target}:{s}" in loaded for s in _shards(param)):
-            owner = module.get_submodule(owner_name)
-            if isinstance(owner, Linear):
+        users = linears.get(id(param), ())
+        if users and all(f"{target}:{s}" in loaded for s in _shards(param)):
+            for owner_name, owner in users:
                 on_linear(owner_name, owner)
-                if owner.weight is not param:  # quantized: this is the last reference
-                    params[target] = finished
+            if all(owner.weight is not param for _, owner in users):
+                params[target] = finished  # quantized: the loader's was its last reference
     _check_complete(module, loaded, origin)
 
 

@@ -61,9 +61,18 @@ def apply_formats(module: nn.Module, plan: LinearPlan) -> None:
             embedding.quant, embedding.weight = qw, None
     for _, role, layer in named_linears(module):
         format_linear(layer, role, plan)
-    if tied and lm_head is not None and lm_head.quant is not None:
-        for embedding in embeddings:
-            embedding.quant, embedding.weight = lm_head.quant, None
+    tie_quantized_head(module)
+
+
+def tie_quantized_head(module: nn.Module) -> None:
+    """Where the embeddings are tied to a quantized output layer, they look their rows up from
+    its table, and their float one goes."""
+    lm_head = getattr(module, "lm_head", None)
+    if (getattr(getattr(module, "config", None), "tie_word_embeddings", False)
+            and lm_head is not None and lm_head.quant is not None):
+        for embedding in module.modules():
+            if isinstance(embedding, Embedding):
+                embedding.quant, embedding.weight = lm_head.quant, None
 
 
 def format_linear(layer: Linear, role: str, plan: LinearPlan) -> None:
