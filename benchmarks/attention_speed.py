@@ -9,6 +9,7 @@ merged in a second pass), on the torch backend the reference they replace
                                           [--kv-cache-dtype auto|int8|bfloat16] [--layers 30]
                                           [--cases "prefill 1 x 1024;..."] [--min-time 0.5]
                                           [--widen-from trial|0|N]
+                                          [--vllm-python /path/to/vllm/venv/bin/python]
 
 One layer's K/V fits in L3, a step's do not: with ``--layers L`` each call attends with the next
 of L copies of the cache (the batch's metadata built once per L calls, as a step builds it
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +39,7 @@ from tokenmill.attention import get_backend  # noqa: E402
 from tokenmill.runner.batch import build_flat_batch  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+VLLM_BLOCK = 128  # vLLM's CPU default (platforms/cpu.py)
 CASES = {
     "decode 32 x ctx 256": dict(shapes=[(255, 1)] * 32),
     "decode 32 x ctx 1100": dict(shapes=[(1099, 1)] * 32),
@@ -80,6 +83,11 @@ def main() -> None:
     ap.add_argument("--cases", default=";".join(CASES),
                     help="case names separated by ';' (names hold commas; default: all)")
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds timed per case")
+    ap.add_argument("--vllm-python", default=None,
+                    help="also time vLLM's CPU attention ops (cpu_attention_with_kv_cache) on the "
+                         "same cases with this Python of vLLM's environment, in vLLM's default "
+                         "block size (benchmarks/peers/vllm_attention.py)")
+    ap.add_argument("--vllm-block-size", type=int, default=VLLM_BLOCK)
     ap.add_argument("--widen-from", default="trial",
                     help="cpu backend, bf16: work items of at least this many rows take float32 "
                          "FMAs with vdpbf16ps's bits (0: vdpbf16ps only); 'trial': the load's "
@@ -116,7 +124,30 @@ def main() -> None:
                 row[backend] = round(time_call(call, args.min_time) * 1e3 / len(caches), 3)
         results["ms_per_layer"][name] = row
         print(f"{name:36} " + "  ".join(f"{b} {ms:8.3f} ms" for b, ms in row.items()), flush=True)
+    if args.vllm_python:
+        results["vllm"] = time_vllm(args, args.cases.split(";"))
+        for name, ms in results["vllm"]["ms_per_layer"].items():
+            results["ms_per_layer"][name]["vllm"] = ms
+            print(f"{name:36} vllm {ms:8.3f} ms", flush=True)
     print(json.dumps(results))
+
+
+def time_vllm(args: argparse.Namespace, names: list[str]) -> dict:
+    """vLLM's figures for these cases: ``peers/vllm_attention.py`` in its own environment
+    (the K/V cache in the model's dtype; the shared prefix in whole blocks of vLLM's size)."""
+    if args.kv_cache_dtype not in ("auto", args.dtype):
+        raise SystemExit("--vllm-python: the K/V cache in the model's dtype only")
+    cases = {n: dict(shapes=CASES[n]["shapes"],
+                     shared_tokens=CASES[n].get("shared_blocks", 0) * BLOCK) for n in names}
+    spec = dict(cases=cases, dtype=args.dtype, layers=args.layers, min_time=args.min_time,
+                heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block=args.vllm_block_size)
+    script = Path(__file__).resolve().parent / "peers" / "vllm_attention.py"
+    done = subprocess.run([args.vllm_python, str(script), json.dumps(spec)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"vLLM's attention timing exited {done.returncode}:\n"
+                         f"{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

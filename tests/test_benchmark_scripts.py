@@ -42,3 +42,27 @@ def test_every_benchmark_script_imports(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     failed = json.loads(run.stdout.splitlines()[-1])
     assert not failed, "\n".join(f"{path}:\n{why}" for path, why in failed.items())
+
+
+def test_vllm_attention_cases_share_only_the_prefix_blocks():
+    """benchmarks/peers/vllm_attention.py's layout (it runs in vLLM's environment, which the
+    suite lacks): sequences hold the shared prefix's blocks in common and every other block
+    alone; each new token's slot is its position's, in its own block."""
+    sys.path.insert(0, str(BENCHMARKS[0].parent / "peers"))
+    try:
+        from vllm_attention import paged_layout
+    finally:
+        sys.path.pop(0)
+    shapes = [(1024, 64), (1099, 1), (1030, 2)]
+    tables, starts, slots = paged_layout(shapes, shared_tokens=1024, block=128)
+    assert starts == [0, 64, 65, 67]
+    assert [len(t) for t in tables] == [9, 9, 9]  # ceil(tokens / 128)
+    assert tables[0][:8] == tables[1][:8] == tables[2][:8] == list(range(8))
+    own = [t[8] for t in tables]
+    assert sorted(own) == [8, 9, 10]  # one block each past the prefix
+    assert slots[:2] == [own[0] * 128, own[0] * 128 + 1]  # position 1024: its first own slot
+    assert slots[64] == own[1] * 128 + 1099 % 128  # position 1099
+    assert slots[65:] == [own[2] * 128 + 6, own[2] * 128 + 7]
+    assert len(set(slots)) == len(slots) == 67
+    no_prefix = paged_layout([(0, 40), (5, 1)], shared_tokens=0, block=16)
+    assert no_prefix == ([[0, 1, 2], [3]], [0, 40, 41], [*range(40), 3 * 16 + 5])
