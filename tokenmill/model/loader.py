@@ -89,6 +89,7 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32",
     module = build_model(local, device, backend, comm)
     if position is not None:
         weights = _rank_weights(weights, position, cfg)
+
     def format_now(name: str, layer: Linear) -> None:
         format_linear(layer, layer_role(name), plan)
         if layer is getattr(module, "lm_head", None):
