@@ -50,6 +50,19 @@ def test_rms_norm_matches_torch(dtype, with_residual, shape):
         close_in_dtype(got, want)
 
 
+def test_the_kernels_take_the_model_dtypes_only():
+    """float32, bfloat16 and float16 (TOKENMILL_DISPATCH_MODEL_TYPES in common.h); float64,
+    which no model runs in, is refused by name rather than built into every kernel."""
+    x, none = torch.randn(3, 64, dtype=torch.float64), torch.empty(0)
+    with pytest.raises(RuntimeError, match="rms_norm.*Double"):
+        ops.rms_norm(x, none, torch.ones(64, dtype=torch.float64), 1e-5)
+    with pytest.raises(RuntimeError, match="silu_and_mul.*Double"):
+        ops.silu_and_mul(torch.randn(3, 128, dtype=torch.float64))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out, _ = ops.rms_norm(x.to(dtype), none, torch.ones(64, dtype=dtype), 1e-5)
+        assert out.dtype == dtype
+
+
 def test_bf16_rounding_is_torchs_to_the_bit():
     """The kernels round float32 to bfloat16 in registers: ties to even, overflow to inf,
     signed zero and subnormals come out with PyTorch's bits, NaN as NaN (the residual sum of

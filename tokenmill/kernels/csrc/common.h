@@ -29,6 +29,14 @@
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros.h>
 
+// The dtypes a model runs in: float32, bfloat16, float16 (PyTorch's AT_DISPATCH_FLOATING_TYPES
+// adds double, which no model uses: its instantiations of every kernel only lengthened the
+// build, by about a tenth). Another dtype fails with PyTorch's "not implemented for" error.
+#define TOKENMILL_DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__)       \
+                     AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__)                 \
+                     AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__))
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif

@@ -72,7 +72,7 @@ enum class CacheKind { kSame, kInt8, kBf16 };
 CacheKind cache_kind(const at::Tensor& cache, at::ScalarType t, const char* op) {
   const at::ScalarType c = cache.scalar_type();
   if (c == t) return CacheKind::kSame;
-  if (c == at::kChar && t != at::kDouble) return CacheKind::kInt8;
+  if (c == at::kChar) return CacheKind::kInt8;
   if (c == at::kBFloat16 && t == at::kFloat) return CacheKind::kBf16;
   TORCH_CHECK(false, op, ": a ", c, " cache does not hold ", t, " K/V (the same dtype, int8, "
               "or bfloat16 under float32)");
@@ -81,9 +81,7 @@ CacheKind cache_kind(const at::Tensor& cache, at::ScalarType t, const char* op) 
 // f(TypeTag<C>{}) with C the cache's element type for T: T, int8_t or at::BFloat16
 template <typename T, typename F>
 void with_cache_type(CacheKind kind, F&& f) {
-  if constexpr (std::is_same<T, double>::value) {
-    f(TypeTag<T>{});  // cache_kind allows only kSame
-  } else if (kind == CacheKind::kInt8) {
+  if (kind == CacheKind::kInt8) {
     f(TypeTag<int8_t>{});
   } else if constexpr (std::is_same<T, float>::value) {
     if (kind == CacheKind::kBf16)
@@ -145,7 +143,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
               "store_kv: cache shapes/dtypes (int8 ones with room for the scales)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == k.size(0), "store_kv: one int64 slot per token");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
+  TOKENMILL_DISPATCH_MODEL_TYPES(k.scalar_type(), "store_kv", [&] {
     with_cache_type<scalar_t>(kind, [&](auto cache_type) {
       using C = typename decltype(cache_type)::type;
       store_kv_impl<scalar_t, C>(k, v, k_cache, v_cache, slots);

@@ -80,7 +80,7 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& residual
               "rms_norm: residual must match x");
   at::Tensor out = at::empty(x.sizes(), x.options());
   at::Tensor res_out = residual.numel() ? at::empty(x.sizes(), x.options()) : residual;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+  TOKENMILL_DISPATCH_MODEL_TYPES(x.scalar_type(), "rms_norm", [&] {
     rms_norm_impl<scalar_t>(x, residual, weight, eps, out, res_out);
   });
   return {out, res_out};
@@ -120,7 +120,7 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
                   cos.is_contiguous() && sin.is_contiguous() &&
                   cos.numel() == x.size(0) * x.size(2) / 2 && sin.numel() == cos.numel(),
               "rope_: float32 contiguous cos/sin of (T, D/2)");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_", [&] {
+  TOKENMILL_DISPATCH_MODEL_TYPES(x.scalar_type(), "rope_", [&] {
     rope_impl<scalar_t>(x, cos, sin);
   });
 }
@@ -161,7 +161,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
               "silu_and_mul: x (T, 2I) with unit inner stride");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul",
+  TOKENMILL_DISPATCH_MODEL_TYPES(x.scalar_type(), "silu_and_mul",
                                   [&] { silu_and_mul_impl<scalar_t>(x, out); });
   return out;
 }

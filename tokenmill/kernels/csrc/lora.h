@@ -215,7 +215,7 @@ class LoRABank {
       groups.push_back({&m, bounds_[g], bounds_[g + 1]});
     }
     if (groups.empty()) return;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_add", [&] {
+    TOKENMILL_DISPATCH_MODEL_TYPES(x.scalar_type(), "lora_add", [&] {
       lora_add_impl<scalar_t>(x, y, rows_, groups, alt);
     });
   }
@@ -270,7 +270,7 @@ at::Tensor silu_and_mul_interleaved(const at::Tensor& x, int64_t block) {
               "silu_and_mul_interleaved: x (T, 2I) with unit inner stride, I a multiple of the "
               "block");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
+  TOKENMILL_DISPATCH_MODEL_TYPES(x.scalar_type(),
                                   "silu_and_mul_interleaved",
                                   [&] { silu_mul_blocks<scalar_t>(x, out, block); });
   return out;

@@ -428,7 +428,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const bool same = out.scalar_type() == q.scalar_type();
   TORCH_CHECK(same || out.scalar_type() == at::kFloat, "paged_attention: out is q's dtype or "
               "float32");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
+  TOKENMILL_DISPATCH_MODEL_TYPES(q.scalar_type(), "paged_attention",
                                   [&] {
     with_cache_type<scalar_t>(kind, [&](auto cache_type) {
       using C = typename decltype(cache_type)::type;

@@ -206,7 +206,7 @@ std::vector<float> rows_as_float(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quantized linear: x must be (M, K), K dense");
   const int64_t rows = x.size(0), k_len = x.size(1);
   std::vector<float> out(rows * k_len);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rows_as_float",
+  TOKENMILL_DISPATCH_MODEL_TYPES(x.scalar_type(), "rows_as_float",
                                   [&] {
     for (int64_t m = 0; m < rows; ++m)
       load_row(x.data_ptr<scalar_t>() + m * x.stride(0), out.data() + m * k_len, k_len);
@@ -220,7 +220,7 @@ at::Tensor results_as(const std::vector<float>& res, int64_t rows, int64_t n_out
   at::Tensor out = at::empty({rows, n_out}, x.options());
   const bool has_bias = bias && bias->defined();
   const at::Tensor b = has_bias ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "results_as", [&] {
+  TOKENMILL_DISPATCH_MODEL_TYPES(x.scalar_type(), "results_as", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* bp = has_bias ? b.data_ptr<scalar_t>() : nullptr;
     for (int64_t m = 0; m < rows; ++m)
@@ -275,7 +275,7 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const at::Tensor& scales,
     constexpr int Bits = decltype(b)::value;
     const S* sp = scales.data_ptr<S>();
     const S* zp = Bits == 4 ? z.data_ptr<S>() : nullptr;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_dequantize", [&] {
+    TOKENMILL_DISPATCH_MODEL_TYPES(dtype, "quant_dequantize", [&] {
       scalar_t* op = out.data_ptr<scalar_t>();
       at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; ++n)
