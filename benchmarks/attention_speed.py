@@ -24,15 +24,16 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ imports tests.*
 
 from machine import machine  # noqa: E402  (benchmarks/machine.py)
+from vllm_attention import time_call  # noqa: E402  (benchmarks/peers/: one loop for both)
 from tests.test_attention import make_case  # noqa: E402  (random paged batches)
 
 from tokenmill.attention import get_backend  # noqa: E402
@@ -51,15 +52,6 @@ CASES = {
     # a prompt chunk beside decode rows: the work items differ in cost (share_tasks)
     "prefill 512 + decode 31 x ctx 256": dict(shapes=[(0, 512)] + [(255, 1)] * 31),
 }
-
-
-def time_call(fn, min_time: float = 0.5) -> float:
-    fn()
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_time:
-        fn()
-        n += 1
-    return (time.perf_counter() - start) / n
 
 
 def choose_route(widen_from: str) -> int:

@@ -20,7 +20,8 @@ import time
 import torch
 
 
-def time_call(fn, min_time: float) -> float:
+def time_call(fn, min_time: float = 0.5) -> float:
+    """Seconds a call of ``fn`` takes: one call to warm up, then as many as ``min_time`` holds."""
     fn()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < min_time:
