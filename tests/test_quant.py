@@ -377,9 +377,11 @@ def test_a_quantizing_load_lets_each_float_weight_go_at_once(tmp_path, monkeypat
         format_linear(layer, role, plan)
 
     monkeypatch.setattr(loader, "format_linear", watched)
-    streamed = _logits(load_model(str(path), "cpu", "float32", "auto", quantization), ids)
-    # 2 layers of 4 linears, and the tied output layer (the embedding's table, gone with it)
+    loaded = load_model(str(path), "cpu", "float32", "auto", quantization)
+    # 2 layers of 4 linears, and the tied output layer (the embedding's table, gone with it);
+    # the last one's float weight gone too while the model lives
     assert len(done) == 4 * 2 + 1 and all(ref() is None for ref in done)
+    streamed = _logits(loaded, ids)
     monkeypatch.setattr(loader, "format_linear", lambda *_: None)  # all by apply_formats
     after = _logits(load_model(str(path), "cpu", "float32", "auto", quantization), ids)
     assert torch.equal(streamed, after)
