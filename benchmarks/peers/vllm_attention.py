@@ -6,8 +6,10 @@ default block size, the scheduler metadata built once per ``layers`` calls as a 
 
     python benchmarks/peers/vllm_attention.py '{"cases": {...}, "dtype": "float32", ...}'
 
-Prints one JSON object: case name -> ms per layer, and the ISA and block size vLLM's choice
-gave (``_get_attn_isa``).
+Before a case is timed, one call with every key stored through vLLM's own op is checked against
+a float64 softmax (``check``): a case whose arguments vLLM reads otherwise stops the run. Prints
+one JSON object: case name -> ms per layer and the check's error, vLLM's version, and the ISA
+and block size its choice gave (``_get_attn_isa``).
 """
 
 from __future__ import annotations
