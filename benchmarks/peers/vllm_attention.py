@@ -45,50 +45,77 @@ def paged_layout(shapes: list, shared_tokens: int, block: int
         tables.append(list(range(shared)) + list(range(next_block, next_block + own)))
         next_block += own
         starts.append(starts[-1] + new)
-    slots = [tables[i][p // block] * block + p % block
+    slots = [slot_of(tables[i], p, block)
              for i, (cached, new) in enumerate(shapes) for p in range(cached, cached + new)]
     return tables, starts, slots
+
+
+def slot_of(table: list[int], position: int, block: int) -> int:
+    return table[position // block] * block + position % block
+
+
+class Batch:
+    """One case's batch as vLLM's CPU backend hands it to its ops: the tensors of the layout,
+    caches in its layout, the scheduler metadata and the attention call."""
+
+    def __init__(self, shapes: list, shared_tokens: int, spec: dict, isa: str):
+        from vllm import _custom_ops as ops
+
+        self.ops, self.spec, self.isa = ops, spec, isa
+        self.dtype = getattr(torch, spec["dtype"])
+        self.tables, self.starts, self.slots = paged_layout(shapes, shared_tokens, spec["block"])
+        self.blocks = 1 + max(b for t in self.tables for b in t)
+        width = max(map(len, self.tables))
+        self.block_table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables],
+                                        dtype=torch.int32)
+        self.seq_lens = torch.tensor([c + n for c, n in shapes], dtype=torch.int32)
+        self.query_start_loc = torch.tensor(self.starts, dtype=torch.int32)
+
+    def cache(self, fill) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V caches: vLLM's [blocks, kv heads, block, 2 x head_dim], viewed as its
+        kernels read it; ``fill(shape)`` makes the tensor."""
+        spec, blocks = self.spec, self.blocks
+        kv = fill((blocks, spec["kv_heads"], spec["block"], 2 * spec["head_dim"])).to(self.dtype)
+        return kv.view(blocks, spec["kv_heads"], spec["block"] * 2, spec["head_dim"]).chunk(2, 2)
+
+    def metadata(self) -> torch.Tensor:
+        spec = self.spec
+        return self.ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(self.tables), num_heads=spec["heads"], num_kv_heads=spec["kv_heads"],
+            head_dim=spec["head_dim"], seq_lens=self.seq_lens, dtype=self.dtype,
+            query_start_loc=self.query_start_loc, causal=True, sliding_window_size=-1,
+            isa=self.isa, enable_kv_split=True)
+
+    def attend(self, q: torch.Tensor, cache: tuple, out: torch.Tensor,
+               meta: torch.Tensor) -> None:
+        self.ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=cache[0], value_cache=cache[1], output=out,
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+            scale=self.spec["head_dim"] ** -0.5, causal=True, alibi_slopes=None,
+            sliding_window=-1, block_table=self.block_table, softcap=0.0,
+            scheduler_metadata=meta, s_aux=None)
 
 
 def case_call(shapes: list, shared_tokens: int, spec: dict, isa: str):
     """The call timed for one case: sequences of (cached, new) tokens whose first
     ``shared_tokens`` sit in the same blocks (a prefix cache's hit)."""
-    from vllm import _custom_ops as ops
-
-    heads, kv_heads, dim, block = spec["heads"], spec["kv_heads"], spec["head_dim"], spec["block"]
-    dtype = getattr(torch, spec["dtype"])
+    batch = Batch(shapes, shared_tokens, spec, isa)
+    heads, kv_heads, dim = spec["heads"], spec["kv_heads"], spec["head_dim"]
     gen = torch.Generator().manual_seed(0)
-    tables, starts, slots = paged_layout(shapes, shared_tokens, block)
-    next_block = 1 + max(b for t in tables for b in t)
-    width = max(map(len, tables))
-    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    seq_lens = torch.tensor([c + n for c, n in shapes], dtype=torch.int32)
-    query_start_loc = torch.tensor(starts, dtype=torch.int32)
-    slot_mapping = torch.tensor(slots, dtype=torch.int64)
-    tokens = starts[-1]
-    q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
-    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype)
-    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype)
+    tokens = batch.starts[-1]
+    q = torch.randn(tokens, heads, dim, generator=gen).to(batch.dtype)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(batch.dtype)
+    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(batch.dtype)
     out = torch.empty_like(q)
-
-    def cache():  # vLLM's [blocks, kv heads, block, 2 x head_dim] viewed as its kernels read it
-        kv = torch.randn(next_block, kv_heads, block, 2 * dim, generator=gen).to(dtype)
-        return kv.view(next_block, kv_heads, block * 2, dim).chunk(2, dim=2)
-
-    caches = [cache() for _ in range(spec["layers"])]
+    slot_mapping = torch.tensor(batch.slots, dtype=torch.int64)
+    caches = [batch.cache(lambda shape: torch.randn(shape, generator=gen))
+              for _ in range(spec["layers"])]
 
     def call():
-        meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(shapes), num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
-            seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=True,
-            sliding_window_size=-1, isa=isa, enable_kv_split=True)
-        for key_cache, value_cache in caches:
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, isa)
-            ops.cpu_attention_with_kv_cache(
-                query=q, key_cache=key_cache, value_cache=value_cache, output=out,
-                query_start_loc=query_start_loc, seq_lens=seq_lens, scale=dim ** -0.5,
-                causal=True, alibi_slopes=None, sliding_window=-1, block_table=block_table,
-                softcap=0.0, scheduler_metadata=meta, s_aux=None)
+        meta = batch.metadata()
+        for cache in caches:
+            batch.ops.cpu_attn_reshape_and_cache(k, v, *cache, slot_mapping, isa)
+            batch.attend(q, cache, out, meta)
 
     return call
 
@@ -98,39 +125,23 @@ def check(shapes: list, shared_tokens: int, spec: dict, isa: str) -> float:
     cache's inner layout) against a float64 softmax over the same keys: the arguments the timed
     call passes mean what this script takes them to. Returns the largest error relative to the
     output's largest value."""
-    from vllm import _custom_ops as ops
-
+    batch = Batch(shapes, shared_tokens, spec, isa)
     heads, kv_heads, dim, block = spec["heads"], spec["kv_heads"], spec["head_dim"], spec["block"]
-    dtype = getattr(torch, spec["dtype"])
     gen = torch.Generator().manual_seed(1)
-    tables, starts, _ = paged_layout(shapes, shared_tokens, block)
     shared = shared_tokens // block * block
-    common = torch.randn(2, shared, kv_heads, dim, generator=gen).to(dtype)
+    common = torch.randn(2, shared, kv_heads, dim, generator=gen).to(batch.dtype)
     full = [torch.cat([common, torch.randn(2, c + n - shared, kv_heads, dim, generator=gen)
-                       .to(dtype)], dim=1) for c, n in shapes]
-    slots = [t[p // block] * block + p % block for t, (c, n) in zip(tables, shapes)
+                       .to(batch.dtype)], dim=1) for c, n in shapes]
+    slots = [slot_of(t, p, block) for t, (c, n) in zip(batch.tables, shapes)
              for p in range(c + n)]
-    blocks = 1 + max(b for t in tables for b in t)
-    kv = torch.zeros(blocks, kv_heads, block, 2 * dim, dtype=dtype)
-    key_cache, value_cache = kv.view(blocks, kv_heads, block * 2, dim).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(torch.cat([f[0] for f in full]),
-                                   torch.cat([f[1] for f in full]), key_cache, value_cache,
-                                   torch.tensor(slots, dtype=torch.int64), isa)
-    q = torch.randn(starts[-1], heads, dim, generator=gen).to(dtype)
+    cache = batch.cache(torch.zeros)
+    batch.ops.cpu_attn_reshape_and_cache(torch.cat([f[0] for f in full]),
+                                         torch.cat([f[1] for f in full]), *cache,
+                                         torch.tensor(slots, dtype=torch.int64), isa)
+    starts = batch.starts
+    q = torch.randn(starts[-1], heads, dim, generator=gen).to(batch.dtype)
     out = torch.empty_like(q)
-    seq_lens = torch.tensor([c + n for c, n in shapes], dtype=torch.int32)
-    query_start_loc = torch.tensor(starts, dtype=torch.int32)
-    width = max(map(len, tables))
-    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(shapes), num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
-        seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=True,
-        sliding_window_size=-1, isa=isa, enable_kv_split=True)
-    ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=key_cache, value_cache=value_cache, output=out,
-        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=dim ** -0.5, causal=True,
-        alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0.0,
-        scheduler_metadata=meta, s_aux=None)
+    batch.attend(q, cache, out, batch.metadata())
     group = heads // kv_heads
     want = torch.empty(out.shape, dtype=torch.float64)
     for i, (c, n) in enumerate(shapes):
