@@ -19,7 +19,8 @@ from tokenmill.model.linear import LinearPlan, plan_linears
 from tokenmill.model.layers import Linear
 from tokenmill.model.linear.setup import apply_formats, build_kernels, choose_onednn_rows
 from tokenmill.model.linear.setup import choose_widen_rows, describe_weights, format_linear
-from tokenmill.model.linear.setup import layer_role, route_to_onednn, route_widened
+from tokenmill.model.linear.setup import layer_role, named_linears, route_to_onednn
+from tokenmill.model.linear.setup import route_widened
 from tokenmill.model.linear.setup import tie_quantized_head
 from tokenmill.model.quant import QUANTIZATIONS, QuantWeight, dequantize
 from tokenmill.model.registry import model_class
@@ -226,8 +227,8 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     params: dict[str, nn.Parameter | object] = dict(module.named_parameters())
     finished = object()  # in ``params`` for a weight that ``on_linear`` replaced
     linears: dict[int, list[tuple[str, Linear]]] = {}  # parameter -> the linears it weighs
-    for name, layer in module.named_modules() if on_linear is not None else ():
-        if isinstance(layer, Linear) and layer.weight is not None:
+    for name, _, layer in named_linears(module) if on_linear is not None else ():
+        if layer.weight is not None:
             linears.setdefault(id(layer.weight), []).append((name, layer))
     loaded: set[str] = set()
     for name, tensor in tracked(weights, f"loading {origin.rsplit('/', 1)[-1]}",
