@@ -11,7 +11,7 @@ import torch
 
 from tests.tiny_models import make_hf_model, write_tiny_gguf
 from tokenmill.errors import ModelLoadError
-from tokenmill.gguf_meta import GgufTensor, read_gguf_index
+from tokenmill.gguf_meta import GgufTensor, read_gguf_index, read_gguf_metadata
 from tokenmill.model import gguf_file
 from tokenmill.model.loader import load_model
 from tokenmill.runner.batch import Chunk
@@ -107,6 +107,33 @@ def test_index_of_a_big_endian_file_matches_the_gguf_package(tmp_path):
     w.close()
     assert same_index(path) == 3
     assert read_gguf_index(path).tensors[2].data[1, 0] == 32  # the values, not their bytes
+
+
+@pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
+def test_string_arrays_read_as_the_gguf_package_reads_them(tmp_path, endian):
+    """A vocabulary's strings (read in one loop of their own): empty, multi-byte and invalid
+    UTF-8 as the package decodes them; an array cut short is the file's error, not a crash."""
+    import gguf
+
+    words = ["", "a", "Ġthe", "日本", "\u00e9" * 40, "<|im_end|>"]
+    path = tmp_path / "words.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian[endian])
+    w.add_array("tokenizer.ggml.tokens", words)
+    w.add_array("t.bytes", [b"ok", b"\xff\xfe"])  # not UTF-8: replaced, as the package does
+    w.add_uint32("t.after", 7)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    fields = read_gguf_metadata(path)
+    reader = gguf.GGUFReader(str(path))
+    assert fields["tokenizer.ggml.tokens"] == words == [
+        reader.fields["tokenizer.ggml.tokens"].contents(i) for i in range(len(words))]
+    assert fields["t.bytes"] == ["ok", "\ufffd\ufffd"] and fields["t.after"] == 7
+    raw = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[:raw.index("<|im_end|>".encode()) + 4])
+    with pytest.raises(ModelLoadError, match="cut.gguf.*runs past the end of the file"):
+        read_gguf_metadata(cut)
 
 
 @pytest.mark.parametrize("qtype", ["BF16", "Q4_0", "Q5_0", "Q5_1", "Q8_0"])
