@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import gguf_read_once
 from tests.family_checks import check_engine, check_server, family_prompts, hf_greedy
 from tests.family_checks import hf_last_logits
 from tests.tiny_models import finish_gguf, gguf_writer, make_hf_model, save_hf_model
@@ -173,8 +174,9 @@ def gemma_file():
 def hf_gemma(gemma_file):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(gemma_file.parent), gguf_file=gemma_file.name, dtype=torch.float32).eval()
+    with gguf_read_once():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(gemma_file.parent), gguf_file=gemma_file.name, dtype=torch.float32).eval()
 
 
 @pytest.mark.slow
