@@ -111,15 +111,16 @@ def test_index_of_a_big_endian_file_matches_the_gguf_package(tmp_path):
 
 @pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
 def test_string_arrays_read_as_the_gguf_package_reads_them(tmp_path, endian):
-    """A vocabulary's strings (read in one loop of their own): empty, multi-byte and invalid
-    UTF-8 as the package decodes them; an array cut short is the file's error, not a crash."""
+    """A vocabulary's strings (read in one loop of their own): empty and multi-byte ones as the
+    package decodes them, invalid UTF-8 replaced by U+FFFD as a lone string always was (the
+    package raises there); an array cut short is the file's error, not a crash."""
     import gguf
 
     words = ["", "a", "Ġthe", "日本", "\u00e9" * 40, "<|im_end|>"]
     path = tmp_path / "words.gguf"
     w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian[endian])
     w.add_array("tokenizer.ggml.tokens", words)
-    w.add_array("t.bytes", [b"ok", b"\xff\xfe"])  # not UTF-8: replaced, as the package does
+    w.add_array("t.bytes", [b"ok", b"\xff\xfe"])  # not UTF-8
     w.add_uint32("t.after", 7)
     w.write_header_to_file()
     w.write_kv_data_to_file()
