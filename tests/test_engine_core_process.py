@@ -218,3 +218,51 @@ def test_the_engine_process_default_follows_device_ranks_and_task():
     assert engine_process_choice(args, {}) == (True, "asked for")
     args.engine_process = False
     assert engine_process_choice(args, {"device": "cuda"}) == (False, "asked for")
+
+
+def test_serve_starts_the_core_before_it_imports_torch_or_the_server():
+    """``serve`` spawns the core first and imports the HTTP server (torch among its imports)
+    while the core starts: reading the model's metadata to choose the process, the flags and
+    the parser import neither."""
+    code = """
+import sys
+import tokenmill.cli as cli
+import tokenmill.engine.core_client as core_client
+
+class Launched(Exception):
+    pass
+
+def launch_core(args, options, served_model_name):
+    raise Launched(sorted(m for m in ("torch", "fastapi", "tokenmill.server.app")
+                          if m in sys.modules))
+
+core_client.launch_core = launch_core
+try:
+    cli.main(["serve", "%s", "--port", "0"])
+except Launched as e:
+    print("imported before the launch:", e.args[0])
+""" % MODEL
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert "imported before the launch: []" in done.stdout, done.stdout + done.stderr
+
+
+def test_an_abandoned_launch_leaves_no_process_and_no_socket_dir(tmp_path):
+    """The server failing to start after the core was spawned (a bad flag found late, Ctrl-C
+    while it imports) kills the core at once, mid-import, and removes its sockets."""
+    import argparse
+
+    from tokenmill.engine.core_client import launch_core
+
+    args = argparse.Namespace(model=MODEL, lora_modules=[], test_faults=None,
+                              log_level="warning")
+    launch = launch_core(args, {}, MODEL)
+    workdir, process = launch.channel.workdir, launch.channel.process
+    assert os.path.isdir(workdir) and process.is_alive()
+    started = time.monotonic()
+    launch.abandon()
+    assert time.monotonic() - started < 5  # not the 10 s a STOP would wait for
+    assert not process.is_alive() and not os.path.exists(workdir)

@@ -350,7 +350,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.engine.lora_modules import add_lora_args
     from tokenmill.server.dashboard_args import add_dashboard_args
     from tokenmill.server.limits import add_limit_args
-    from tokenmill.server.observe import add_observe_args
+    from tokenmill.server.observe_args import add_observe_args
 
     add_lora_args(p)
     add_limit_args(p)
@@ -501,35 +501,44 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _serve_data_parallel(args, options)
     if options.get("node_rank", 0) > 0:  # another node's ranks: no engine, no server here
         return _run_headless(args, options)
-    from tokenmill.server.app import ServerSettings, run_server
+    from tokenmill.engine.core_client import engine_process_choice, launch_core
     from tokenmill.server.dashboard_args import dashboard_settings
     from tokenmill.server.limits import limits_from_args
-    from tokenmill.server.observe import observe_settings
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
     if args.step_timeout <= 0:
         raise ValueError("--step-timeout must be > 0")
-    settings = ServerSettings(
-        model_name=args.served_model_name or args.model, host=args.host, port=args.port,
-        api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
-        max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
-        tool_call_parser=args.tool_call_parser, limits=limits_from_args(args),
-        reasoning_parser=args.reasoning_parser,
-        public_metrics=args.public_metrics, step_timeout=args.step_timeout,
-        allow_runtime_lora=args.allow_runtime_lora or os.environ.get(
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1"),
-        observe=observe_settings(args),
-        **dashboard_settings(args))
-    from tokenmill.engine.core_client import engine_process_choice
-
+    limits, dashboard = limits_from_args(args), dashboard_settings(args)
+    model_name = args.served_model_name or args.model
     separate, why = engine_process_choice(args, options)
     print(f"tokenmill: the engine core runs "
           f"{'in its own process' if separate else 'in this process'}: {why}", file=sys.stderr)
-    if separate:  # scheduler, model, sampling, detokenization: engine/core_proc.py
-        from tokenmill.engine.core_client import start_core
+    # The core (scheduler, model, sampling, detokenization: engine/core_proc.py) starts before
+    # this process imports the server, torch and all, and loads while it does: the default
+    # model's server healthy after 6.6-8.6 s -> 4.9-5.9 s on a 2-core Zen 3 (4 starts each,
+    # alternated). Nothing before this line imports torch (tests/test_engine_core_process.py).
+    launch = launch_core(args, options, model_name) if separate else None
+    try:
+        from tokenmill.server.app import ServerSettings, run_server
+        from tokenmill.server.observe_args import observe_settings
 
-        return run_server(start_core(args, options, settings.model_name), settings, args.log_level)
+        settings = ServerSettings(
+            model_name=model_name, host=args.host, port=args.port,
+            api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
+            max_queued_requests=args.max_queued_requests,
+            shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
+            limits=limits, reasoning_parser=args.reasoning_parser,
+            public_metrics=args.public_metrics, step_timeout=args.step_timeout,
+            allow_runtime_lora=args.allow_runtime_lora or os.environ.get(
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1"),
+            observe=observe_settings(args), **dashboard)
+    except BaseException:
+        if launch is not None:
+            launch.abandon()
+        raise
+    if launch is not None:
+        return run_server(launch.client(), settings, args.log_level)
     # Loading makes ~190k long-lived objects: collecting as they piled up took ~1 s of start-up
     gc.disable()
     try:

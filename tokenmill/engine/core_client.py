@@ -83,41 +83,54 @@ def engine_process_choice(args: argparse.Namespace, options: Mapping[str, Any]
     return True, "one worker generating text: HTTP apart from the step loop"
 
 
-def start_core(args: argparse.Namespace, options: dict,
-               served_model_name: str) -> EngineCoreClient:
+def launch_core(args: argparse.Namespace, options: dict, served_model_name: str) -> CoreLaunch:
     """``tokenmill serve --engine-process``: spawn the core for the engine ``args`` and
-    ``options`` describe, load the tokenizer meanwhile, return once the core is READY. Raises
-    ``TokenmillError`` when it fails to start (its reason, as it logged it)."""
-    return start_core_from_spec(CoreSpec(args.model, options, served_model_name,
-                                         list(args.lora_modules), args.test_faults,
-                                         args.log_level))
+    ``options`` describe and return at once, so that the server's own imports (3-4 s on a Zen 3
+    core, torch among them) run beside the core's start rather than before it;
+    ``CoreLaunch.client()`` then waits for it."""
+    return CoreLaunch(CoreSpec(args.model, options, served_model_name, list(args.lora_modules),
+                               args.test_faults, args.log_level))
 
 
-def start_core_from_spec(spec: CoreSpec) -> EngineCoreClient:
-    from tokenmill.tokenizer import load_tokenizer
+class CoreLaunch:
+    """A core process spawned and starting: ``client()`` waits until it is READY,
+    ``abandon()`` stops it before then (the server could not start)."""
 
-    workdir = tempfile.mkdtemp(prefix="tokenmill-core-")
-    ctx = zmq.Context()
-    commands, outputs = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    commands.bind(f"ipc://{workdir}/commands")
-    outputs.bind(f"ipc://{workdir}/outputs")
-    spec = replace(spec, commands_addr=f"ipc://{workdir}/commands",
-                   outputs_addr=f"ipc://{workdir}/outputs", parent_pid=os.getpid())
-    # spawn, not fork: a CUDA context (and torch's threads) do not survive a fork
-    process = multiprocessing.get_context("spawn").Process(
-        target=run_core, args=(spec,), name="tokenmill-engine-core", daemon=True)
-    process.start()
-    channel = _Channel(ctx, commands, outputs, process, workdir)
-    try:
-        tokenizer = load_tokenizer(spec.model)
-        facts = channel.wait_ready()
-        if facts["task"] != "generate":  # pooled vectors do not cross the channel (yet)
-            raise TokenmillError(f"--engine-process serves text generation only; this model "
-                                 f"runs the {facts['task']} task: leave the flag out")
-    except BaseException:
-        channel.close()
-        raise
-    return EngineCoreClient(channel, tokenizer, facts)
+    def __init__(self, spec: CoreSpec) -> None:
+        workdir = tempfile.mkdtemp(prefix="tokenmill-core-")
+        ctx = zmq.Context()
+        commands, outputs = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        commands.bind(f"ipc://{workdir}/commands")
+        outputs.bind(f"ipc://{workdir}/outputs")
+        self.spec = replace(spec, commands_addr=f"ipc://{workdir}/commands",
+                            outputs_addr=f"ipc://{workdir}/outputs", parent_pid=os.getpid())
+        # spawn, not fork: a CUDA context (and torch's threads) do not survive a fork
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_core, args=(self.spec,), name="tokenmill-engine-core", daemon=True)
+        process.start()
+        self.channel = _Channel(ctx, commands, outputs, process, workdir)
+
+    def client(self) -> EngineCoreClient:
+        """The tokenizer loaded meanwhile, the core's READY awaited; raises
+        ``TokenmillError`` (the core stopped) when it failed to start."""
+        from tokenmill.tokenizer import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(self.spec.model)
+            facts = self.channel.wait_ready()
+            if facts["task"] != "generate":  # pooled vectors do not cross the channel (yet)
+                raise TokenmillError(f"--engine-process serves text generation only; this "
+                                     f"model runs the {facts['task']} task: leave the flag out")
+        except BaseException:
+            self.channel.close()
+            raise
+        return EngineCoreClient(self.channel, tokenizer, facts)
+
+    def abandon(self) -> None:
+        """Stop a core that was never used: killed, as it may still be loading (it would read
+        a STOP only once ready)."""
+        self.channel.process.kill()
+        self.channel.close()
 
 
 class _Channel:

@@ -23,7 +23,8 @@ def stored_block_formats(source: ModelSource) -> frozenset[str]:
     are stored in; empty for a float checkpoint."""
     if source.kind != "gguf":
         return frozenset()
-    from tokenmill.model.gguf_file import GGUF_BLOCKS, open_gguf
+    from tokenmill.model.gguf_file import open_gguf
+    from tokenmill.model.quant import GGUF_BLOCKS
 
     return frozenset(t.tensor_type.name for t in open_gguf(source.path).tensors
                       if t.name.startswith("blk.") and len(t.shape) == 2

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from tokenmill.config import ModelConfig, RopeScaling
 from tokenmill.errors import ModelLoadError
 from tokenmill.gguf_meta import GgufIndex, read_gguf_index
-from tokenmill.model.quant import GGUF_BLOCKS, QuantWeight, dequantize, from_gguf_blocks
 from tokenmill.model.registry import GGUF_ARCHES, family, family_config_gguf
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenmill.model.quant import QuantWeight
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -102,6 +107,19 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
     return family_config_gguf(reader, arch, cfg)
 
 
+def gguf_llama(reader, arch: str, cfg: ModelConfig) -> ModelConfig:
+    """The llama family's config hook (``model/registry.py``): a "llama" GGUF with
+    ``llama.expert_count`` is Mixtral (llama.cpp's converter says so). Here rather than with
+    the MoE models so that reading a Llama GGUF's config imports no torch (``serve`` reads it
+    before it starts the engine core)."""
+    experts = int(field(reader, f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        return cfg
+    return replace(cfg, architecture="mixtral", num_experts=experts,
+                   num_experts_per_tok=int(field(reader, f"{arch}.expert_used_count")),
+                   moe_intermediate_size=cfg.intermediate_size, extra=dict(norm_topk_prob=True))
+
+
 def _rope_scaling(reader, arch: str) -> RopeScaling:
     tensors = {t.name: t for t in reader.tensors if t.name in _ROPE_TENSORS}
     if "rope_freqs.weight" in tensors:
@@ -153,6 +171,10 @@ def gguf_weights(reader, cfg: ModelConfig, path: Path, keep_quantized: bool = Fa
     """Yield (Hugging Face name, float32 tensor) for every weight tensor in the file; with
     ``keep_quantized``, 2-D tensors in Q8_0, Q4_0 or Q4_1 come as ``QuantWeight`` holding the
     file's own blocks instead."""
+    import torch  # the config above is read without it (serve decides on it before importing)
+
+    from tokenmill.model.quant import GGUF_BLOCKS, QuantWeight, dequantize, from_gguf_blocks
+
     # llama.cpp permutes Q and K for its "llama" architecture (Llama, Mistral, Mixtral)
     permuted = field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:

@@ -159,18 +159,6 @@ def hf_gpt_oss(raw: dict, cfg: ModelConfig) -> ModelConfig:
                               swiglu_limit=float(raw.get("swiglu_limit", 7.0))))
 
 
-def gguf_llama(reader, arch: str, cfg: ModelConfig) -> ModelConfig:
-    """A "llama" GGUF with ``llama.expert_count`` is Mixtral (llama.cpp's converter says so)."""
-    from tokenmill.model.gguf_file import field
-
-    experts = int(field(reader, f"{arch}.expert_count", 0) or 0)
-    if not experts:
-        return cfg
-    return replace(cfg, architecture="mixtral", num_experts=experts,
-                   num_experts_per_tok=int(field(reader, f"{arch}.expert_used_count")),
-                   moe_intermediate_size=cfg.intermediate_size, extra=dict(norm_topk_prob=True))
-
-
 def gguf_qwen_moe(reader, arch: str, cfg: ModelConfig) -> ModelConfig:
     """qwen3moe (top-k renormalised, q/k norm) and qwen2moe (a shared expert) GGUFs."""
     from tokenmill.model.gguf_file import field

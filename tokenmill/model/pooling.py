@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
+
+if TYPE_CHECKING:  # reading a model's pooling set-up needs no torch (serve's frontend)
+    import torch
 
 # sentence-transformers' Pooling modes -> ours; the others (max, mean_sqrt_len, weightedmean)
 # are refused at load rather than served differently
@@ -127,6 +128,8 @@ def finish_vector(vector: torch.Tensor, normalize: bool,
         vector = vector[..., :dimensions]
     vector = vector.float()
     if normalize:
+        import torch.nn.functional as F
+
         vector = F.normalize(vector, p=2.0, dim=-1)
     return vector.cpu()
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def _hook(path: str) -> Callable:
 
 _LLAMA = Family("tokenmill.model.llama:LlamaForCausalLM", fused_step=True, parallel=True,
                 lora=True,  # a "llama" GGUF with experts is Mixtral: its hook says so
-                gguf_config=_hook("tokenmill.model.moe_families:gguf_llama"))
+                gguf_config=_hook("tokenmill.model.gguf_file:gguf_llama"))
 
 # mixture of experts (model/moe_families.py): llama.cpp's expert tensors, stacked (E, out, in)
 _MOE_GGUF = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
