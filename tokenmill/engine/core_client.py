@@ -63,10 +63,11 @@ def engine_process_choice(args: argparse.Namespace, options: Mapping[str, Any]
     """Whether ``serve`` runs the engine core in a process of its own, and why. Unasked: on
     for one worker serving text generation, on a GPU (an H100 server 1.6-1.75x at c=64-256)
     and on a CPU (2 cores: +10-30% at c=32-128 on an AMX Xeon, +34-38% at c=8 and +9-33% at
-    c=32 on an AVX512-BF16 Xeon; docs/benchmarks.md), for ~260 MiB more and a second copy of
-    the tokenizer; off for parallel ranks (not tried behind it), for ``--kv-role`` (a producer's
-    held blocks were not released behind it: tests/test_kv_pd_real.py) and for pooling models
-    (pooled vectors do not cross its channel)."""
+    c=32 on an AVX512-BF16 Xeon; docs/benchmarks.md), for ~100 MiB more (the server's process
+    loads no torch) and a second copy of the tokenizer; off for parallel ranks (not tried behind
+    it), for ``--kv-role`` (a producer's held blocks were not released behind it:
+    tests/test_kv_pd_real.py) and for pooling models (pooled vectors do not cross its
+    channel)."""
     from tokenmill.engine.pooling_requests import serving_task
 
     if args.engine_process is not None:

@@ -4,6 +4,7 @@ step (``StepInfo``): plain data, shared by the engine, its builder and the serve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -89,3 +90,17 @@ class StepInfo:
     num_new_tokens: int = 0
     num_preemptions: int = 0
     scheduled_request_ids: frozenset[str] = frozenset()  # callers' ids that ran any token
+
+
+def format_plan(described: dict[str, Any]) -> str:
+    """``ExecutionPlan.describe()``'s dict as the lines start-up logs (one per decision)."""
+    return "\n".join(["execution plan:"] + [f"  {key}: {_flat(value)}"
+                                            for key, value in described.items()])
+
+
+def _flat(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_flat(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return "/".join(map(str, value))
+    return str(value)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.config import (EngineConfig, KVTransferConfig, LoRAConfig, ModelConfig,
                               ParallelConfig)
 from tokenmill.distributed.layout import ParallelLayout
+from tokenmill.engine.info import format_plan
 from tokenmill.executor.multiproc import DistributedSpec
 from tokenmill.executor.worker import WorkerSpec
 from tokenmill.model.config_reader import read_model_config, stored_block_formats
@@ -186,20 +187,6 @@ class ExecutionPlan:
 
     def __str__(self) -> str:
         return format_plan(self.describe())
-
-
-def format_plan(described: dict[str, Any]) -> str:
-    """``ExecutionPlan.describe()``'s dict as the lines start-up logs (one per decision)."""
-    return "\n".join(["execution plan:"] + [f"  {key}: {_flat(value)}"
-                                            for key, value in described.items()])
-
-
-def _flat(value: Any) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={_flat(v)}" for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return "/".join(map(str, value))
-    return str(value)
 
 
 def detect_machine(device: str = "cpu") -> Machine:

@@ -12,7 +12,6 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,9 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.info import format_plan
 from tokenmill.engine.kv_publisher import advertised
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.plan import format_plan
 from tokenmill.request import PromptError, check_vocabulary
 from tokenmill.server.anthropic import add_anthropic_routes
 from tokenmill.server.dashboard import DASHBOARD_PUBLIC_PATHS, add_dashboard_routes
@@ -59,6 +57,7 @@ from tokenmill.server.serving import OpenAIServing
 
 if TYPE_CHECKING:
     from tokenmill.engine.core_client import EngineCoreClient
+    from tokenmill.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -230,6 +229,17 @@ def _add_health_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettin
         return {"version": tokenmill.__version__}
 
 
+def _threads(plan: dict | None) -> int:
+    """The forward's threads: the plan's count, as the engine (perhaps in its own process)
+    runs it; where the plan has none (a GPU's forward), this process' torch setting."""
+    count = ((plan or {}).get("threads") or {}).get("count")
+    if count:
+        return count
+    import torch  # in this process already where the engine runs here
+
+    return torch.get_num_threads()
+
+
 def _add_admin_routes(app: FastAPI, pipeline: RequestPipeline, metrics: ServerMetrics) -> None:
     """What the engine is and holds: its facts, its prefix cache, its metrics."""
     engine = pipeline.engine
@@ -245,7 +255,7 @@ def _add_admin_routes(app: FastAPI, pipeline: RequestPipeline, metrics: ServerMe
         return {"version": tokenmill.__version__, **dataclasses.asdict(engine.info),
                 "task": engine.engine.task,  # generate, embed or score: the routes it answers
                 "kv_events": kv_events,
-                "threads": torch.get_num_threads(),
+                "threads": _threads(engine.info.plan),
                 "kv_cache_blocks": {"total": stats.num_blocks, "free": stats.num_free_blocks,
                                     "prefix_cached": stats.num_cached_blocks}}
 

@@ -20,9 +20,8 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -36,6 +35,9 @@ from tokenmill.server.pipeline import RequestPipeline, request_id_header
 from tokenmill.server.protocol import (APIError, FieldError, check_json_values,
                                        check_request_id, invalid, printable)
 from tokenmill.server.streams import engine_error
+
+if TYPE_CHECKING:  # torch: only where a pooling model runs in this process
+    import torch
 
 # Inputs one request may hold (OpenAI's bound for /v1/embeddings): each is an engine request.
 MAX_INPUTS = 2048
@@ -244,6 +246,8 @@ class PoolingServing:
             [await self._tokenize(t, params[1]) for t in texts_2]
         outputs = await self._encode_all(rid, prompts, PoolingParams(task="embed"), raw,
                                          params[1])
+        import torch
+
         first = torch.stack([o.data for o in outputs[:len(texts_1)]])  # (len(texts_1), dim)
         second = torch.stack([o.data for o in outputs[len(texts_1):]])  # (len(texts_2), dim)
         if len(texts_1) != len(texts_2):  # one text against each of the others
@@ -357,13 +361,13 @@ def relevance(logits: torch.Tensor, activate: bool) -> float:
                        f"needs one (a single-label cross-encoder)", param="model",
                        code=_WRONG_TASK)
     logit = logits.float().reshape(())
-    return float(torch.sigmoid(logit) if activate else logit)
+    return float(logit.sigmoid() if activate else logit)
 
 
 def format_vector(vector: torch.Tensor, encoding_format: str, endianness: str) -> list[float] | str:
     """An embedding as JSON numbers, or as base64 of its float32 bytes (what OpenAI's client
     decodes: little-endian, unless the request asked otherwise)."""
-    values = vector.detach().to(torch.float32).cpu().numpy()
+    values = vector.detach().float().cpu().numpy()
     if encoding_format == "float":
         return values.tolist()
     order = sys.byteorder if endianness == "native" else endianness

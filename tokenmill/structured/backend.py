@@ -22,13 +22,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from tokenmill.params import ConstraintError, StructuredOutputs
 from tokenmill.util import cdiv
+
+if TYPE_CHECKING:  # the server's frontend compiles grammars without torch
+    import torch
 
 _CACHE_SIZE = 256  # compiled grammars kept (keyed by the constraint)
 # llguidance writes a mask as int32 words of 32 tokens (bit j of word i allows token 32 i + j),
@@ -135,6 +138,8 @@ class GrammarBackend:
 
     def new_masks(self, rows: int) -> torch.Tensor:
         """(rows, words) int32, all zero (no token allowed), for ``fill_masks`` to fill."""
+        import torch
+
         return torch.zeros(rows, cdiv(self.vocab_size, _WORD_BITS), dtype=torch.int32)
 
     def _lltokenizer(self) -> llguidance.LLTokenizer:
