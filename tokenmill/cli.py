@@ -515,24 +515,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"tokenmill: the engine core runs "
           f"{'in its own process' if separate else 'in this process'}: {why}", file=sys.stderr)
     # The core (scheduler, model, sampling, detokenization: engine/core_proc.py) starts before
-    # this process imports the server, torch and all, and loads while it does: the default
-    # model's server healthy after 6.6-8.6 s -> 4.9-5.9 s on a 2-core Zen 3 (4 starts each,
-    # alternated). Nothing before this line imports torch (tests/test_engine_core_process.py).
+    # this process imports the server, and loads while it does; nothing before this line
+    # imports torch, FastAPI or the server, and behind a core this process never imports torch
+    # (tests/test_engine_core_process.py). docs/performance.md has the start-up figures.
     launch = launch_core(args, options, model_name) if separate else None
     try:
         from tokenmill.server.app import ServerSettings, run_server
-        from tokenmill.server.observe_args import observe_settings
 
-        settings = ServerSettings(
-            model_name=model_name, host=args.host, port=args.port,
-            api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
-            max_queued_requests=args.max_queued_requests,
-            shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
-            limits=limits, reasoning_parser=args.reasoning_parser,
-            public_metrics=args.public_metrics, step_timeout=args.step_timeout,
-            allow_runtime_lora=args.allow_runtime_lora or os.environ.get(
-                "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1"),
-            observe=observe_settings(args), **dashboard)
+        settings = ServerSettings.from_args(args, model_name, limits, dashboard)
     except BaseException:
         if launch is not None:
             launch.abandon()

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 from tokenmill.engine.async_types import (EngineOverloadedError, EngineSnapshot,
                                           EngineUnavailableError, RequestFailedError,
                                           RequestTimings, StatsListener)
-from tokenmill.engine.info import EngineInfo
 from tokenmill.params import PoolingParams, SamplingParams
 from tokenmill.request import LoRARequest, PoolingOutput, RequestOutput
 from tokenmill.structured.spec import StructuredOutputs
@@ -41,7 +40,7 @@ from tokenmill.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from tokenmill.engine.core_client import EngineCoreClient
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.llm_engine import EngineInfo, LLMEngine
     from tokenmill.structured.backend import CompiledGrammar
 
 logger = logging.getLogger("tokenmill.engine")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import gc
 import logging
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
@@ -38,8 +41,8 @@ from tokenmill.server.middleware import (
     key_matches,
 )
 from tokenmill.server.models import add_model_routes
-from tokenmill.server.observe import (ObservedPipeline, ObserveMiddleware, Observer,
-                                      ObserveSettings)
+from tokenmill.server.observe import ObservedPipeline, ObserveMiddleware, Observer
+from tokenmill.server.observe_args import ObserveSettings, observe_settings
 from tokenmill.server.openapi import install_openapi
 from tokenmill.server.pipeline import RequestPipeline
 from tokenmill.server.protocol import (
@@ -82,6 +85,21 @@ class ServerSettings:
     observe: ObserveSettings = field(default_factory=ObserveSettings)
     metrics_prefix: str = "tokenmill"  # /metrics names are <prefix>:<name> (vllm: vLLM's own)
     dashboard_show_prompts: bool = False  # /dashboard lists the start of each prompt
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, model_name: str, limits: RequestLimits,
+                  dashboard: dict) -> ServerSettings:
+        """``tokenmill serve``'s settings from its flags (limits and dashboard ones parsed)."""
+        return cls(
+            model_name=model_name, host=args.host, port=args.port,
+            api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
+            max_queued_requests=args.max_queued_requests,
+            shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
+            limits=limits, reasoning_parser=args.reasoning_parser,
+            public_metrics=args.public_metrics, step_timeout=args.step_timeout,
+            allow_runtime_lora=args.allow_runtime_lora or os.environ.get(
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("true", "1"),
+            observe=observe_settings(args), **dashboard)
 
 
 # Seconds an idle keep-alive connection stays open (uvicorn's default is 5: see run_server)
@@ -231,13 +249,13 @@ def _add_health_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettin
 
 def _threads(plan: dict | None) -> int:
     """The forward's threads: the plan's count, as the engine (perhaps in its own process)
-    runs it; where the plan has none (a GPU's forward), this process' torch setting."""
+    runs it; where the plan has none (a GPU's forward), torch's setting in this process if
+    the engine runs here (0 behind an engine process: this process has no torch)."""
     count = ((plan or {}).get("threads") or {}).get("count")
     if count:
         return count
-    import torch  # in this process already where the engine runs here
-
-    return torch.get_num_threads()
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else 0
 
 
 def _add_admin_routes(app: FastAPI, pipeline: RequestPipeline, metrics: ServerMetrics) -> None:
