@@ -178,6 +178,24 @@ def test_sigterm_drains_then_stops_the_core(server, client):
     assert wait_gone(core, 5), "the engine core outlived its server"
 
 
+def test_a_server_killed_outright_leaves_no_core_and_no_sockets(tmp_path_factory, tmp_path,
+                                                                monkeypatch):
+    """SIGKILL the server (no clean-up of its own): the core sees its parent gone, stops, and
+    removes the directory of the sockets the server made."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the server makes its socket directory
+    s = start_server(tmp_path_factory, "--engine-process")
+    try:
+        [core] = core_pids(s.proc.pid)
+        [sockets] = tmp_path.glob("tokenmill-core-*")
+        assert {p.name for p in sockets.iterdir()} == {"commands", "outputs"}
+        s.proc.kill()
+        assert s.proc.wait(10) == -signal.SIGKILL
+        assert wait_gone(core, 15), "the engine core outlived its server"
+        assert not sockets.exists()
+    finally:
+        stop_server(s)
+
+
 def test_killing_the_core_fails_requests_and_health(tmp_path_factory):
     """The core dies: in-flight requests end with an error, /health answers 503 and the server
     exits non-zero for its supervisor to restart it, as when a worker dies."""
