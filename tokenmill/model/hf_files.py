@@ -7,12 +7,14 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenmill.config import ModelConfig, RopeScaling
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.registry import HF_MODEL_TYPES, family_config_hf
+
+if TYPE_CHECKING:  # a checkpoint's config is read without torch (serve, before the core)
+    import torch
 
 
 def read_json(path: Path) -> dict:
