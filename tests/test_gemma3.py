@@ -52,7 +52,7 @@ def test_older_and_multimodal_config_json():
     """transformers 4's flat RoPE fields and sliding_window_pattern; a
     Gemma3ForConditionalGeneration's text_config."""
     from tokenmill.config import ModelConfig
-    from tokenmill.model.gemma3 import hf_config
+    from tokenmill.model.family_config import hf_gemma3 as hf_config
 
     base = ModelConfig("gemma3", 96, 64, 96, 6, 4, 1, 32)
     flat = {"num_hidden_layers": 6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,

@@ -3,7 +3,8 @@
 What differs from the Llama family (``llama.py``):
 - the embeddings are multiplied by sqrt(hidden_size), the factor rounded to the model's dtype;
 - RMSNorm multiplies by (1 + w) in float32 and rounds once (``GemmaRMSNorm``); GGUF files from
-  llama.cpp store 1 + w already, Hugging Face checkpoints w (``norm_offset`` below);
+  llama.cpp store 1 + w already, Hugging Face checkpoints w (``norm_offset``: the config
+  hooks in ``family_config.py``);
 - four norms per layer: before and after attention, before and after the MLP, the residual
   added after each post-norm; q and k normalised per head before RoPE;
 - attention scaled by query_pre_attn_scalar ** -0.5, head_dim 256;
@@ -15,8 +16,6 @@ What differs from the Llama family (``llama.py``):
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,6 @@ from torch import nn
 
 from tokenmill.attention import AttentionBackend, AttentionMetadata
 from tokenmill.config import ModelConfig, RopeScaling
-from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers import Embedding, Linear, RotaryEmbedding, ShardedLinear
 from tokenmill.model.layers import apply_rope
 from tokenmill.model.linear.base import LinearKernel
@@ -33,77 +31,6 @@ from tokenmill.model.linear.packed import Bf16Packed
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]
-
-# the family's own settings, kept in ModelConfig.extra
-_DEFAULTS = {
-    "query_pre_attn_scalar": 256.0,
-    "rope_local_base_freq": 10000.0,
-    "final_logit_softcapping": None,
-    "hidden_activation": "gelu_pytorch_tanh",
-    # added to every norm weight at load: 1.0 for Hugging Face checkpoints (they hold w of
-    # x * (1 + w)), 0.0 for GGUF files (llama.cpp's converter stored 1 + w)
-    "norm_offset": 1.0,
-}
-_PATTERN = 6  # Gemma 3: five sliding layers, then a global one (when the config does not list)
-_LAYERS_27B = 62  # the one Gemma 3 whose query_pre_attn_scalar is not its head_dim
-
-
-# ----- config ---------------------------------------------------------------------------------
-
-def hf_config(raw: dict, cfg: ModelConfig) -> ModelConfig:
-    """Gemma 3's own fields from config.json (a Gemma3ForConditionalGeneration's text_config
-    for model_type "gemma3"); RoPE as transformers 5 nests it per layer type, or the older
-    rope_theta / rope_local_base_freq / rope_scaling."""
-    from tokenmill.model.hf_files import rope_scaling
-
-    text = raw.get("text_config") or raw
-    if text.get("attn_logit_softcapping") is not None:
-        raise ModelLoadError("Gemma attention-logit softcapping (Gemma 2) is not supported")
-    if text.get("use_bidirectional_attention"):
-        raise ModelLoadError("bidirectional Gemma 3 (EmbeddingGemma) is not supported")
-    rope = text.get("rope_parameters") or {}
-    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
-    theta = full.get("rope_theta", text.get("rope_theta", 1_000_000.0))
-    local_theta = local.get("rope_theta", text.get("rope_local_base_freq", 10_000.0))
-    scaling = full if full else (text.get("rope_scaling") or {})
-    extra = {**_DEFAULTS,
-             "query_pre_attn_scalar": float(text.get("query_pre_attn_scalar", 256)),
-             "rope_local_base_freq": float(local_theta),
-             "final_logit_softcapping": text.get("final_logit_softcapping"),
-             "hidden_activation": text.get("hidden_activation") or "gelu_pytorch_tanh"}
-    layers = text["num_hidden_layers"]
-    types = text.get("layer_types") or _pattern_types(layers,
-                                                      text.get("sliding_window_pattern", _PATTERN))
-    return replace(cfg, rope_theta=float(theta),
-                   rope_scaling=rope_scaling(scaling, text, Path("config.json")),
-                   tie_word_embeddings=text.get("tie_word_embeddings",
-                                                raw.get("tie_word_embeddings", True)),
-                   sliding_window=text.get("sliding_window"), layer_types=tuple(types),
-                   qk_norm=True, extra=extra)
-
-
-def gguf_config(reader, arch: str, cfg: ModelConfig) -> ModelConfig:
-    """Gemma 3 from llama.cpp's metadata, which leaves out what llama.cpp hard-codes: five of
-    six layers sliding, a local RoPE base of 10000, attention scaled by head_dim ** -0.5 (the
-    query_pre_attn_scalar of every Gemma 3 but the 27B, whose 168 llama.cpp derives as
-    hidden / heads)."""
-    from tokenmill.model.gguf_file import field
-
-    window = field(reader, f"{arch}.attention.sliding_window")
-    scalar = cfg.hidden_size / cfg.num_heads if cfg.num_layers == _LAYERS_27B else cfg.head_dim
-    extra = {**_DEFAULTS, "query_pre_attn_scalar": float(scalar),
-             "rope_local_base_freq": float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
-             "final_logit_softcapping": field(reader, f"{arch}.final_logit_softcapping"),
-             "norm_offset": 0.0}
-    return replace(cfg, sliding_window=None if window is None else int(window),
-                   layer_types=tuple(_pattern_types(cfg.num_layers, _PATTERN)), qk_norm=True,
-                   extra=extra)
-
-
-def _pattern_types(num_layers: int, pattern: int) -> list[str]:
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(num_layers)]
-
 
 # ----- layers ---------------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -105,19 +104,6 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
         sliding_window=int(field(reader, f"{arch}.attention.sliding_window") or 0) or None,
     )
     return family_config_gguf(reader, arch, cfg)
-
-
-def gguf_llama(reader, arch: str, cfg: ModelConfig) -> ModelConfig:
-    """The llama family's config hook (``model/registry.py``): a "llama" GGUF with
-    ``llama.expert_count`` is Mixtral (llama.cpp's converter says so). Here rather than with
-    the MoE models so that reading a Llama GGUF's config imports no torch (``serve`` reads it
-    before it starts the engine core)."""
-    experts = int(field(reader, f"{arch}.expert_count", 0) or 0)
-    if not experts:
-        return cfg
-    return replace(cfg, architecture="mixtral", num_experts=experts,
-                   num_experts_per_tok=int(field(reader, f"{arch}.expert_used_count")),
-                   moe_intermediate_size=cfg.intermediate_size, extra=dict(norm_topk_prob=True))
 
 
 def _rope_scaling(reader, arch: str) -> RopeScaling:

@@ -12,7 +12,6 @@ each family's ``config.json`` / GGUF fields (``model/registry.py``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -122,52 +121,3 @@ def _gpt_oss_experts(weights: Iterable[tuple[str, torch.Tensor]]
                 sub = "down_proj"
             yield f"{head}.experts.{e}.{sub}.{'bias' if tail.endswith('bias') else 'weight'}", w
 
-
-# ----- config hooks (model/registry.py) -------------------------------------------------------
-
-def hf_qwen_moe(raw: dict, cfg: ModelConfig) -> ModelConfig:
-    qwen2 = cfg.architecture == "qwen2_moe"
-    extra = dict(norm_topk_prob=raw.get("norm_topk_prob", False),
-                 decoder_sparse_step=raw.get("decoder_sparse_step", 1),
-                 mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
-                 shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0)
-                 if qwen2 else 0)
-    return replace(cfg, num_experts=raw.get("num_experts") or raw["num_local_experts"],
-                   num_experts_per_tok=raw["num_experts_per_tok"],
-                   moe_intermediate_size=raw["moe_intermediate_size"], qk_norm=not qwen2,
-                   attention_bias=raw.get("qkv_bias", True) if qwen2 else cfg.attention_bias,
-                   extra=extra)
-
-
-def hf_mixtral(raw: dict, cfg: ModelConfig) -> ModelConfig:
-    return replace(cfg, num_experts=raw["num_local_experts"],
-                   num_experts_per_tok=raw["num_experts_per_tok"],
-                   moe_intermediate_size=cfg.intermediate_size,
-                   sliding_window=raw.get("sliding_window") or None,
-                   extra=dict(norm_topk_prob=True))
-
-
-def hf_gpt_oss(raw: dict, cfg: ModelConfig) -> ModelConfig:
-    return replace(cfg, num_experts=raw["num_local_experts"],
-                   num_experts_per_tok=raw.get("num_experts_per_tok",
-                                               raw.get("experts_per_token", 4)),
-                   moe_intermediate_size=cfg.intermediate_size, attention_bias=True,
-                   sliding_window=raw.get("sliding_window") or None,
-                   layer_types=tuple(raw.get("layer_types") or ()),
-                   extra=dict(softmax_first=False, router_bias=True, attention_sinks=True,
-                              swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
-                              swiglu_limit=float(raw.get("swiglu_limit", 7.0))))
-
-
-def gguf_qwen_moe(reader, arch: str, cfg: ModelConfig) -> ModelConfig:
-    """qwen3moe (top-k renormalised, q/k norm) and qwen2moe (a shared expert) GGUFs."""
-    from tokenmill.model.gguf_file import field
-
-    qwen2 = arch == "qwen2moe"
-    inter = int(field(reader, f"{arch}.expert_feed_forward_length"))
-    norm = bool(field(reader, f"{arch}.expert_weights_norm", not qwen2))
-    shared = int(field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
-    return replace(cfg, num_experts=int(field(reader, f"{arch}.expert_count")),
-                   num_experts_per_tok=int(field(reader, f"{arch}.expert_used_count")),
-                   moe_intermediate_size=inter,
-                   extra=dict(norm_topk_prob=norm, shared_expert_intermediate_size=shared))

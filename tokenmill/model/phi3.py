@@ -14,7 +14,6 @@ What differs from the Llama family is in the files and in RoPE, not in the layer
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 
 import torch
 
@@ -78,23 +77,4 @@ def rotary_dim(cfg: ModelConfig) -> int:
     return round(cfg.head_dim * cfg.partial_rotary_factor)
 
 
-def hf_config(raw: dict, cfg: ModelConfig) -> ModelConfig:
-    """config.json's Phi-3 setting beyond the shared ones (the sliding window is one):
-    partial rotary, at the top level or in transformers 5's ``rope_parameters``."""
-    rope = raw.get("rope_parameters") or {}
-    partial = raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-    return replace(cfg, partial_rotary_factor=float(partial))
-
-
-def gguf_config(reader, arch: str, cfg: ModelConfig) -> ModelConfig:
-    """llama.cpp's Phi-3 setting beyond the shared ones: the rotated dims of each head
-    (``rope.dimension_count``; Phi-4-mini: 96 of 128)."""
-    from tokenmill.model.gguf_file import field
-
-    rotated = field(reader, f"{arch}.rope.dimension_count")
-    if rotated is None:
-        return cfg
-    return replace(cfg, partial_rotary_factor=int(rotated) / cfg.head_dim)
-
-
-__all__ = ["Phi3ForCausalLM", "Phi3Model", "gguf_config", "hf_config", "rotary_dim"]
+__all__ = ["Phi3ForCausalLM", "Phi3Model", "rotary_dim"]

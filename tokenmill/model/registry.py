@@ -1,5 +1,7 @@
 """Architecture families: each one's model class and what reading its files needs beyond the
-Llama family's defaults. A new family is a model file and an entry here, nothing else.
+Llama family's defaults. A new family is a model file, an entry here and, where its files
+hold more than the shared fields, a config hook in ``family_config.py`` (torch-free: configs
+are read before torch is imported).
 
 ``hf_files.py`` reads the fields every family shares from ``config.json``, then the family's
 ``hf_config`` adds its own; ``gguf_file.py`` likewise from GGUF metadata (``gguf_config``) and
@@ -51,7 +53,7 @@ def _hook(path: str) -> Callable:
 
 _LLAMA = Family("tokenmill.model.llama:LlamaForCausalLM", fused_step=True, parallel=True,
                 lora=True,  # a "llama" GGUF with experts is Mixtral: its hook says so
-                gguf_config=_hook("tokenmill.model.gguf_file:gguf_llama"))
+                gguf_config=_hook("tokenmill.model.family_config:gguf_llama"))
 
 # mixture of experts (model/moe_families.py): llama.cpp's expert tensors, stacked (E, out, in)
 _MOE_GGUF = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
@@ -61,25 +63,25 @@ _MOE_GGUF = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj
              "ffn_down_shexp": "mlp.shared_expert.down_proj",
              "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 _MOE = "tokenmill.model.moe_families:MoEForCausalLM"
-_QWEN_MOE = Family(_MOE, hf_config=_hook("tokenmill.model.moe_families:hf_qwen_moe"),
-                   gguf_config=_hook("tokenmill.model.moe_families:gguf_qwen_moe"),
+_QWEN_MOE = Family(_MOE, hf_config=_hook("tokenmill.model.family_config:hf_qwen_moe"),
+                   gguf_config=_hook("tokenmill.model.family_config:gguf_qwen_moe"),
                    gguf_names=_MOE_GGUF)
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
     "qwen2_moe": _QWEN_MOE, "qwen3_moe": _QWEN_MOE,
-    "mixtral": Family(_MOE, hf_config=_hook("tokenmill.model.moe_families:hf_mixtral"),
+    "mixtral": Family(_MOE, hf_config=_hook("tokenmill.model.family_config:hf_mixtral"),
                       gguf_names=_MOE_GGUF, fused_step=True),
-    "gpt_oss": Family(_MOE, hf_config=_hook("tokenmill.model.moe_families:hf_gpt_oss")),
+    "gpt_oss": Family(_MOE, hf_config=_hook("tokenmill.model.family_config:hf_gpt_oss")),
     "gemma3": Family("tokenmill.model.gemma3:Gemma3ForCausalLM",
-                     hf_config=_hook("tokenmill.model.gemma3:hf_config"),
-                     gguf_config=_hook("tokenmill.model.gemma3:gguf_config"),
+                     hf_config=_hook("tokenmill.model.family_config:hf_gemma3"),
+                     gguf_config=_hook("tokenmill.model.family_config:gguf_gemma3"),
                      gguf_names={"post_attention_norm": "post_attention_layernorm",
                                  "ffn_norm": "pre_feedforward_layernorm",
                                  "post_ffw_norm": "post_feedforward_layernorm"}),
     "phi3": Family("tokenmill.model.phi3:Phi3ForCausalLM",
-                   hf_config=_hook("tokenmill.model.phi3:hf_config"),
-                   gguf_config=_hook("tokenmill.model.phi3:gguf_config"),
+                   hf_config=_hook("tokenmill.model.family_config:hf_phi3"),
+                   gguf_config=_hook("tokenmill.model.family_config:gguf_phi3"),
                    gguf_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                    fused_step=True),
     # encoders (model/bert.py): the hook makes a sequence classifier "bert_classifier"
