@@ -5,8 +5,8 @@ some or all layers replaced by routed experts (``moe.py``). What differs is conf
 router weighs (softmax then top-k, renormalised or not; gpt-oss: top-k then softmax), a
 shared expert (Qwen2-MoE), q/k norm (Qwen3-MoE), and for gpt-oss biases on every projection
 and on the router, a clamped SwiGLU, per-head attention sinks and a sliding window on
-alternate layers (given to the attention backend per layer). The config hooks here read
-each family's ``config.json`` / GGUF fields (``model/registry.py``).
+alternate layers (given to the attention backend per layer). Each family's ``config.json`` /
+GGUF fields are read by its hooks in ``family_config.py``.
 """
 
 from __future__ import annotations
