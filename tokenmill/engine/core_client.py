@@ -104,7 +104,8 @@ class CoreLaunch:
         commands.bind(f"ipc://{workdir}/commands")
         outputs.bind(f"ipc://{workdir}/outputs")
         self.spec = replace(spec, commands_addr=f"ipc://{workdir}/commands",
-                            outputs_addr=f"ipc://{workdir}/outputs", parent_pid=os.getpid())
+                            outputs_addr=f"ipc://{workdir}/outputs", socket_dir=workdir,
+                            parent_pid=os.getpid())
         # spawn, not fork: a CUDA context (and torch's threads) do not survive a fork
         process = multiprocessing.get_context("spawn").Process(
             target=run_core, args=(self.spec,), name="tokenmill-engine-core", daemon=True)

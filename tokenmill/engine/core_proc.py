@@ -17,7 +17,6 @@ import shutil
 import signal
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -49,6 +48,7 @@ class CoreSpec:
     log_level: str = "info"
     commands_addr: str = ""  # the client binds both; the core connects
     outputs_addr: str = ""
+    socket_dir: str = ""  # the folder holding both sockets: the core removes it if orphaned
     parent_pid: int = 0
 
 
@@ -75,15 +75,8 @@ def run_core(spec: CoreSpec) -> None:
         commands.close(linger=0)
         outputs.close(linger=2000)  # the last frame (DEAD, FAILED) still goes out
         ctx.term()
-        if os.getppid() != spec.parent_pid:  # the server was killed before it could clean up
-            _remove_socket_dir(spec.commands_addr)
-
-
-def _remove_socket_dir(addr: str) -> None:
-    """The directory of the client's ipc:// sockets (``core_client.CoreLaunch``'s)."""
-    folder = Path(addr.removeprefix("ipc://")).parent
-    if addr.startswith("ipc://") and folder.name.startswith("tokenmill-core-"):
-        shutil.rmtree(folder, ignore_errors=True)
+        if spec.socket_dir and os.getppid() != spec.parent_pid:  # the server died uncleaned
+            shutil.rmtree(spec.socket_dir, ignore_errors=True)
 
 
 def _load(spec: CoreSpec, outputs: zmq.Socket) -> LLMEngine | None:
