@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -230,6 +232,36 @@ def test_each_environment_keeps_its_own_build():
     # the folder this environment loads records this environment's torch
     ninja = (cpu_kernels.build_dir() / "build.ninja").read_text()
     assert os.path.join(torch_dir, "include") in ninja
+
+
+def test_a_statically_linked_libstdcxx_stays_private(tmp_path):
+    """Some compilers (an image's CXX wrapper adding -static-libstdc++) put a copy of libstdc++
+    into the module. With the kernels' link flags that copy keeps its symbols to itself;
+    exported, they bind to the process's libstdc++.so (torch's) while the copy's internals stay
+    its own, and a number formatted into an error message was lost here and crashed the
+    process on an AMX host. A small library linked that way formats one, after torch loaded."""
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    archive = subprocess.run([cxx, "-print-file-name=libstdc++.a"], capture_output=True,
+                             text=True).stdout.strip()
+    if not os.path.isabs(archive):
+        pytest.skip("no static libstdc++ to link")
+    source = tmp_path / "fmt.cpp"
+    source.write_text('#include <sstream>\n#include <cstring>\n'
+                      'extern "C" void tm_format(long v, char* out) {\n'
+                      '  std::ostringstream s; s << "N a multiple of " << v;\n'
+                      '  std::strcpy(out, s.str().c_str());\n}\n')
+    lib = tmp_path / "fmt.so"
+    subprocess.run([cxx, "-O2", "-fPIC", "-shared", "-static-libstdc++", str(source),
+                    *cpu_kernels._LDFLAGS, "-o", str(lib)], check=True)
+    code = ("import ctypes, torch\n"
+            f"lib = ctypes.CDLL({str(lib)!r}); out = ctypes.create_string_buffer(64)\n"
+            "lib.tm_format(12, out); print(out.value.decode())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "N a multiple of 12"
 
 
 def test_without_kernels_the_reference_backend_is_chosen(monkeypatch):

@@ -40,7 +40,15 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_ops.cpp"  # the one translation unit; it includes the headers beside it
 # -ffp-contract=off: a * b - c * d stays two roundings, as in PyTorch's unfused ops (the
 # attention kernel's FMAs are explicit intrinsics)
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17")
+# --exclude-libs: a compiler that links libstdc++ statically (a wrapper adding
+# -static-libstdc++, as some images' CXX does) puts a private copy in the module. Exported,
+# its symbols bind to the process's libstdc++.so (loaded by torch) while its internals stay
+# local, and the two halves disagree: formatting a number in an error message crashed. Kept
+# private, the copy is whole; a dynamic libstdc++ is not affected.
+_LDFLAGS = ("-fopenmp", "-Wl,--exclude-libs,ALL")
+# (tuples, handed to torch as new lists: cpp_extension.load appends to the lists it is given,
+# and the build folder's name hashes these)
 
 
 def build_dir() -> Path:
@@ -59,7 +67,7 @@ def build_inputs() -> list[str]:
     return [str(SOURCE.resolve()), torch.__version__, str(Path(torch.__file__).resolve().parent),
             sys.version,
             sysconfig.get_paths()["include"], os.path.realpath(shutil.which(compiler) or compiler),
-            *_FLAGS, *sorted(cpu_flags())]
+            *_FLAGS, *_LDFLAGS, *sorted(cpu_flags())]
 
 
 def build_key(inputs: list[str]) -> str:
@@ -104,7 +112,7 @@ def load() -> ModuleType | None:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (path / "lock").unlink(missing_ok=True)
             module = cpp_extension.load(name="tokenmill_cpu_ops", sources=[str(SOURCE)],
-                                        extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                                        extra_cflags=list(_FLAGS), extra_ldflags=list(_LDFLAGS),
                                         build_directory=str(path), verbose=False)
     except Exception as exc:  # a failed build must not stop the server: fall back
         log.warning("building the CPU kernels failed (%s): using the PyTorch reference "
