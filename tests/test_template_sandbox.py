@@ -101,6 +101,40 @@ def test_a_call_that_overruns_is_killed_and_the_next_gets_a_new_child():
         box.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the cleaner is a forked process")
+def test_a_server_killed_outright_leaves_no_sandbox_directory(tmp_path):
+    """A process holding a Sandbox is SIGKILLed (no clean-up of its own, as when a server is
+    killed): the child's directory still goes, removed by the cleaner the child forked before
+    its bounds (the child itself may not remove it)."""
+    import signal
+    import subprocess
+
+    code = ("import json, sys\n"
+            "from tests import sandbox_probe\n"
+            "from tokenmill.server.sandbox import Bounds, Sandbox\n"
+            "box = Sandbox(sandbox_probe.probe, Bounds(10.0, 256 << 20), 1 << 20)\n"
+            "stopped = Sandbox(sandbox_probe.probe, Bounds(10.0, 256 << 20), 1 << 20)\n"
+            "stopped.call({'op': 'pid'}); stopped.close()\n"
+            "print(json.dumps(box.call({'op': 'probe', 'port': 1, 'outside': '/x',"
+            " 'secret': '/x', 'too_large': 1, 'allocate': 1})['cwd']['ok']), flush=True)\n"
+            "sys.stdin.read()\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        workdir = json.loads(holder.stdout.readline())
+        assert os.path.isdir(workdir) and os.path.dirname(workdir) == str(tmp_path)
+        assert len(os.listdir(tmp_path)) == 1  # the stopped one's is gone already
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+    deadline = time.monotonic() + 10
+    while os.path.exists(workdir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(workdir)
+
+
 def test_isolated_renderer_scans_and_renders_in_the_child():
     renderer = IsolatedRenderer(timeout=10.0, max_chars=1000, memory_bytes=512 << 20)
     source = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}" \

@@ -79,6 +79,7 @@ class Sandbox:
         self._proc = None
         self._conn = None
         self._workdir: str | None = None
+        self._cleaner_end = None  # closing it (or this process dying) clears the workdir
 
     def call(self, request: Any) -> Any:
         data = json.dumps(request).encode()  # ASCII: lone surrogates travel too
@@ -108,10 +109,12 @@ class Sandbox:
         self._workdir = tempfile.mkdtemp(prefix="tokenmill-sandbox-")
         ctx = multiprocessing.get_context("spawn")  # not fork: the parent runs threads
         self._conn, child = ctx.Pipe()
+        watch, self._cleaner_end = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_child_main, name="tokenmill-sandbox", daemon=True,
-                                 args=(child, self._handler, self.bounds, self._workdir))
+                                 args=(child, watch, self._handler, self.bounds, self._workdir))
         self._proc.start()
         child.close()
+        watch.close()
         try:
             hello = json.loads(self._conn.recv_bytes(4096)) \
                 if self._conn.poll(START_TIMEOUT) else None
@@ -139,7 +142,9 @@ class Sandbox:
             self._conn.close()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
-        self._proc = self._conn = self._workdir = None
+        if self._cleaner_end is not None:
+            self._cleaner_end.close()  # the child's cleaner finds the folder gone, and exits
+        self._proc = self._conn = self._workdir = self._cleaner_end = None
 
 
 def _parse_reply(data: bytes) -> dict[str, Any]:
@@ -152,7 +157,9 @@ def _parse_reply(data: bytes) -> dict[str, Any]:
 
 # ----- the child -------------------------------------------------------------------------------
 
-def _child_main(conn, handler: Callable[[Any], Any], bounds: Bounds, workdir: str) -> None:
+def _child_main(conn, watch, handler: Callable[[Any], Any], bounds: Bounds,
+                workdir: str) -> None:
+    _leave_a_cleaner(watch, workdir)
     held = harden(conn.fileno(), workdir, bounds)
     conn.send_bytes(json.dumps({"held": held}).encode())
     while True:
@@ -166,6 +173,29 @@ def _child_main(conn, handler: Callable[[Any], Any], bounds: Bounds, workdir: st
         except BaseException as e:  # noqa: BLE001 - whatever it was, the parent reports it
             reply = {"error": f"{type(e).__name__} in its sandboxed process"}
         conn.send_bytes(json.dumps(reply).encode())
+
+
+def _leave_a_cleaner(watch, workdir: str) -> None:
+    """Fork, before any bound, a process that removes ``workdir`` once the server's end of
+    ``watch`` closes: at the sandbox's stop, or when the server dies without cleaning up
+    (SIGKILL). The child cannot remove it itself: its Landlock rules allow writes beneath
+    ``workdir`` only, and removing it writes its parent folder."""
+    if not hasattr(os, "fork"):
+        watch.close()
+        return
+    if os.fork() == 0:
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the server's own clean-up
+            keep = watch.fileno()
+            os.closerange(0, keep)  # the child's pipe too: its death must reach the server
+            os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+            while True:
+                watch.recv_bytes()  # nothing is ever sent: returns at EOF, by raising
+        except BaseException:  # noqa: BLE001 - EOF, or anything: clean up and go
+            shutil.rmtree(workdir, ignore_errors=True)
+        finally:
+            os._exit(0)
+    watch.close()
 
 
 def harden(keep_fd: int, workdir: str, bounds: Bounds) -> dict[str, Any]:
