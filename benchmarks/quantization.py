@@ -5,7 +5,11 @@
 Per setting (weights none / the GGUF's own blocks / int8 / int4, and the int8 KV cache):
 - perplexity on the shipped text (``tokenmill eval perplexity``, through the engine's path);
 - greedy agreement with the unquantized model on the 16 prompts of tests/test_engine_real.py
-  (20 tokens each, identical tokens position by position);
+  (20 tokens each, identical tokens position by position: one early near-tie that flips
+  changes every later position of its prompt);
+- teacher-forced top-1 agreement: the most likely next token at each of the first 1,024
+  positions of the shipped text, the same text fed to every setting (a flip costs one
+  position);
 - single-request decode speed, load time and peak RSS (``benchmarks/model_speed.py``, its own
   process per setting so the RSS is that setting's);
 - the KV cache's capacity in tokens for the same 2 GiB budget.
@@ -54,6 +58,27 @@ def greedy_tokens(dtype: str, weights: str, kv: str) -> tuple[list[list[int]], i
     return outs, llm.engine.info.kv_cache_tokens
 
 
+def teacher_forced_top1(dtype: str, weights: str, kv: str, positions: int = 1024,
+                        chunk: int = 256) -> list[int]:
+    """The argmax of the logits at each of the shipped text's first ``positions`` tokens, fed
+    as one window in prefill chunks of ``chunk``."""
+    from tokenmill.eval.perplexity import build_eval_engine, load_text
+    from tokenmill.runner.batch import Chunk
+
+    engine = build_eval_engine("smollm2-135m-instruct", positions, dtype=dtype,
+                               quantization=weights, kv_cache_dtype=kv)
+    runner = engine.executor.worker
+    ids = engine.tokenizer.encode(load_text())[:positions]
+    table = list(range(1, 1 + -(-len(ids) // runner.block_size)))  # block 0: padding
+    top = []
+    for start in range(0, len(ids), chunk):
+        piece = ids[start:start + chunk]
+        logits = runner.forward([Chunk(piece, start, table, num_logits=len(piece))])
+        top += logits[:len(piece)].argmax(-1).tolist()
+    engine.shutdown()
+    return top
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="auto")
@@ -62,7 +87,7 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     names = args.settings.split(",")
-    rows, reference, measured = {}, None, {}
+    rows, reference, top1_reference, measured = {}, None, None, {}
     for name in names:  # in child processes first: a child forked from a parent that holds
         weights, kv = SETTINGS[name]  # models inherits its peak RSS
         flags = ["--dtype", args.dtype, "--quantization", weights, "--kv-cache-dtype", kv]
@@ -73,25 +98,30 @@ def main() -> int:
         weights, kv = SETTINGS[name]
         ppl, speed = measured[name]
         tokens, capacity = greedy_tokens(ppl["dtype"], weights, kv)
-        reference = reference or tokens
+        top1 = teacher_forced_top1(ppl["dtype"], weights, kv)
+        reference, top1_reference = reference or tokens, top1_reference or top1
         same = sum(a == b for x, y in zip(reference, tokens) for a, b in zip(x, y))
         rows[name] = {"weights": speed["weights"], "kv_cache_dtype": kv,
                       "perplexity": ppl["perplexity"], "tokens_scored": ppl["tokens_scored"],
                       "greedy_identical": same, "greedy_total": sum(map(len, reference)),
+                      "top1_same": sum(a == b for a, b in zip(top1_reference, top1)),
+                      "top1_total": len(top1_reference),
                       "kv_cache_tokens_2gib": capacity, **{k: speed[k] for k in (
                           "dtype", "load_s", "peak_rss_mib", "prefill_ms",
                           "decode_tokens_per_s", "decode_ms_per_token")}}
         print(name, json.dumps(rows[name]), flush=True)
     base = rows[names[0]]
     lines = [f"Machine: {json.dumps(machine())}", "",
-             "| setting | weights | perplexity (vs first row) | greedy identical | decode tok/s "
-             "(ms/token) | prefill 128 ms | load s | peak RSS MiB | KV tokens in 2 GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| setting | weights | perplexity (vs first row) | greedy identical | top-1 same, "
+             "teacher-forced | decode tok/s (ms/token) | prefill 128 ms | load s | peak RSS MiB "
+             "| KV tokens in 2 GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         lines.append(
             f"| {name} | {r['weights']} | {r['perplexity']:.3f} "
             f"({100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}%) | "
-            f"{r['greedy_identical']}/{r['greedy_total']} | {r['decode_tokens_per_s']:.1f} "
+            f"{r['greedy_identical']}/{r['greedy_total']} | {r['top1_same']}/{r['top1_total']} "
+            f"| {r['decode_tokens_per_s']:.1f} "
             f"({r['decode_ms_per_token']}) | {r['prefill_ms']} | {r['load_s']} | "
             f"{r['peak_rss_mib']} | {r['kv_cache_tokens_2gib']} |")
     (args.out / "quantization.json").write_text(json.dumps(
