@@ -40,12 +40,19 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "A JSON object,
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--api-key", KEY, "--max-num-seqs", "1",
-                     "--max-queued-requests", "1", "--step-timeout", str(STEP_TIMEOUT),
-                     "--test-faults", FAULTS, timeout=300)
+def server(tmp_path_factory, sockets_home):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(sockets_home))  # where the server makes its sockets' folder
+        s = start_server(tmp_path_factory, "--api-key", KEY, "--max-num-seqs", "1",
+                         "--max-queued-requests", "1", "--step-timeout", str(STEP_TIMEOUT),
+                         "--test-faults", FAULTS, timeout=300)
     yield s
     stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def sockets_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("sockets")
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +175,11 @@ def test_health_turns_503_while_a_step_overruns_the_step_timeout(server, client)
     assert "an engine step has run for" in server.log()
 
 
-def test_repeated_failures_with_no_request_to_blame_stop_the_engine(server, client):
-    """Last: the engine stops for good."""
+def test_repeated_failures_with_no_request_to_blame_stop_the_engine(server, client,
+                                                                     sockets_home):
+    """Last: the engine stops for good. The engine core's sockets' folder goes with it, while
+    the server still answers (killed later, it would never remove it)."""
+    assert list(sockets_home.glob("tokenmill-core-*"))
     with pytest.raises(openai.InternalServerError) as e:
         complete(client, "fatal-1")
     assert e.value.status_code == 503
@@ -181,3 +191,4 @@ def test_repeated_failures_with_no_request_to_blame_stop_the_engine(server, clie
         complete(client, "after-the-end")
     assert e.value.status_code == 503 and e.value.response.json()["error"]["code"] == "unavailable"
     assert "engine loop died" in server.log()
+    assert server.proc.poll() is None and not list(sockets_home.glob("tokenmill-core-*"))

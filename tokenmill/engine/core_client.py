@@ -151,6 +151,15 @@ class _Channel:
         self.poller.register(outputs, zmq.POLLIN)
         self.poller.register(self.wake_r, zmq.POLLIN)
         self.closed = False
+        self._sockets_kept = True
+
+    def forget_sockets(self) -> None:
+        """The core is gone or going: nothing connects to its sockets' files again, so their
+        folder goes now, not at ``close()``, which a server killed while unhealthy never runs
+        (the core, which removes it when its server dies first, is gone already)."""
+        if self._sockets_kept:
+            self._sockets_kept = False
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def send(self, frame: list) -> None:
         """Raises ``EngineDeadError`` once the core is gone: a PUSH socket without its peer
@@ -169,6 +178,7 @@ class _Channel:
         """Why the core cannot answer any more, or None while it runs."""
         if self.process.is_alive():
             return None
+        self.forget_sockets()
         return f"the engine core process exited (exit code {self.process.exitcode})"
 
     def wait_ready(self) -> dict:
@@ -236,7 +246,7 @@ class _Channel:
         self.ctx.term()
         os.close(self.wake_r)
         os.close(self.wake_w)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.forget_sockets()
 
 
 class EngineCoreClient:
@@ -392,6 +402,7 @@ class EngineCoreClient:
         outputs: dict[str, RequestOutput] = {}
         for frame in frames:
             if frame[0] == wire.DEAD:
+                self._channel.forget_sockets()
                 raise EngineDeadError(f"the engine core stopped: {frame[1]}")
             self._absorb(frame, outputs)
         return list(outputs.values())
