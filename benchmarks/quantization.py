@@ -64,12 +64,13 @@ def teacher_forced_top1(dtype: str, weights: str, kv: str, positions: int = 1024
     as one window in prefill chunks of ``chunk``."""
     from tokenmill.eval.perplexity import build_eval_engine, load_text
     from tokenmill.runner.batch import Chunk
+    from tokenmill.util import cdiv
 
     engine = build_eval_engine("smollm2-135m-instruct", positions, dtype=dtype,
                                quantization=weights, kv_cache_dtype=kv)
     runner = engine.executor.worker
     ids = engine.tokenizer.encode(load_text())[:positions]
-    table = list(range(1, 1 + -(-len(ids) // runner.block_size)))  # block 0: padding
+    table = list(range(1, 1 + cdiv(len(ids), runner.block_size)))  # block 0: padding
     top = []
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
